@@ -1,0 +1,71 @@
+"""Torch reference attention over the paged cache: plain math in float32, any device.
+
+It is the oracle every faster backend is tested against, and it serves every call
+(GQA, soft-capping, sliding windows, mixed prefill/decode batches).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..runtime.context import AttentionMetadata
+from .kv_write import gather_sequence, write_kv
+from .registry import register_backend
+
+
+def visible_mask(q_len: int, kv_len: int, sliding_window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] bool: query i (the (kv_len - q_len + i)-th slot) sees slot j."""
+    qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    kpos = torch.arange(kv_len, device=device)[None, :]
+    mask = kpos <= qpos
+    if sliding_window > 0:
+        mask &= kpos > qpos - sliding_window
+    return mask
+
+
+def reference_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    *, scale: float, softcap: float = 0.0, sliding_window: int = -1,
+) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over each sequence's cached tokens (already written)."""
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    Dv = v_cache.shape[-1]
+    out = q.new_zeros((T, Hq, Dv))
+    starts = meta.query_start_loc.tolist()
+    for b, kv_len in enumerate(meta.seq_lens_host):
+        s, e = starts[b], starts[b + 1]
+        q_len = e - s
+        if q_len == 0 or kv_len == 0:
+            continue
+        kk = gather_sequence(k_cache, meta.block_tables[b], kv_len).float()  # [L, Hkv, D]
+        vv = gather_sequence(v_cache, meta.block_tables[b], kv_len).float()
+        qq = q[s:e].float().reshape(q_len, Hkv, G, D)
+        scores = torch.einsum("qhgd,khd->hgqk", qq, kk) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        mask = visible_mask(q_len, kv_len, sliding_window, q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, vv).reshape(q_len, Hq, Dv)
+        out[s:e] = o.to(q.dtype)
+    return out
+
+
+class TorchReferenceBackend:
+    name = "torch_reference"
+    priority = 0
+
+    def is_available(self, device: torch.device) -> bool:
+        return True
+
+    def supports(self, **_: object) -> bool:
+        return True
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
+        write_kv(k, v, k_cache, v_cache, meta)
+        return reference_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
+                                         sliding_window=sliding_window)
+
+
+register_backend(TorchReferenceBackend())

@@ -1,0 +1,180 @@
+"""Capture: a Hugging Face causal LM → an FX GraphModule over flattened tokens.
+
+The captured graph has three inputs and one output::
+
+    input_ids       [1, T]  int64   several sequences packed end to end, no padding
+    position_ids    [1, T]  int64   each token's position within its own sequence
+    logits_indices  [N]     int64   which of the T positions need logits (e.g. last of each seq)
+    → logits        [1, N, vocab]
+
+T and N are dynamic. Capture uses ``torch.export`` (non-strict) on the model's own
+forward with ``logits_to_keep=logits_indices``, so model-specific heads (soft-capping,
+scaling) stay exactly as Hugging Face wrote them. A construct that cannot be captured
+raises :class:`UnsupportedModelError` naming the module and construct; there is no
+silent fallback to eager.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model cannot be compiled; the message names the construct and a way out."""
+
+
+@dataclass
+class ModelInfo:
+    """Facts about the captured model that passes and the runtime need."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: list[int]
+    attention_modules: list[str] = field(default_factory=list)  # graph-qualified names, in layer order
+    sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module → window (if any)
+
+
+class FlatTokensLM(torch.nn.Module):
+    """Wraps an HF causal LM into the flattened-token signature the compiler captures."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor):
+        out = self.m(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_indices,
+                     use_cache=False, return_dict=True)
+        return out.logits
+
+
+def _eos_ids(model) -> list[int]:
+    ids = []
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if e is None:
+            continue
+        ids.extend(e if isinstance(e, (list, tuple)) else [e])
+    return sorted(set(int(i) for i in ids))
+
+
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Decoder attention modules in layer order (class name ending in 'Attention')."""
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def model_info(model: torch.nn.Module) -> ModelInfo:
+    """Read the facts the compiler needs from an HF model, or say why it is unsupported."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "forward"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a Hugging Face PreTrainedModel (no .config); "
+            "pass an AutoModelForCausalLM model"
+        )
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder model; devin-compile compiles decoder-only causal LMs"
+        )
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.forward has no `logits_to_keep` argument, so it is not a "
+            "causal-LM head model; load it with AutoModelForCausalLM"
+        )
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    needed = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+    missing = [k for k in needed if getattr(text_cfg, k, None) is None]
+    if missing:
+        raise UnsupportedModelError(f"{type(model).__name__}'s config lacks {missing}; not a decoder LM config")
+    heads = text_cfg.num_attention_heads
+    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
+    attn = _attention_modules(model)
+    param = next(model.parameters())
+    return ModelInfo(
+        model_type=getattr(cfg, "model_type", type(model).__name__),
+        num_layers=text_cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=text_cfg.vocab_size,
+        max_model_len=int(getattr(text_cfg, "max_position_embeddings", 0) or 2048),
+        dtype=param.dtype,
+        device=param.device,
+        eos_token_ids=_eos_ids(model),
+        attention_modules=["m." + n for n, _ in attn],
+        sliding_windows={"m." + n: int(getattr(m, "sliding_window", None) or -1) for n, m in attn},
+    )
+
+
+def _culprit(exc: BaseException) -> str:
+    """The innermost transformers frame of a failure: which module, which line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if "transformers" in fr.filename or "/models/" in fr.filename:
+            return f"{fr.filename.rsplit('/', 2)[-2]}/{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} in {fr.name}: {fr.line}"
+    fr = frames[-1] if frames else None
+    return f"{fr.filename}:{fr.lineno} in {fr.name}" if fr else "unknown location"
+
+
+def capture(model: torch.nn.Module, *, example_len: int = 8) -> tuple[torch.fx.GraphModule, ModelInfo]:
+    """Export ``model`` over flattened tokens; returns the GraphModule and :class:`ModelInfo`."""
+    info = model_info(model)
+    model.eval()
+    device = info.device
+    T = torch.export.Dim("num_tokens", min=2)
+    N = torch.export.Dim("num_logits", min=1)
+    ids = torch.randint(0, min(info.vocab_size, 100), (1, example_len), device=device)
+    pos = torch.arange(example_len, device=device)[None]
+    idx = torch.arange(example_len, device=device)
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(
+                FlatTokensLM(model), (ids, pos, idx),
+                dynamic_shapes=({1: T}, {1: T}, {0: N}), strict=False,
+            )
+    except Exception as e:  # noqa: BLE001  (any capture failure becomes one clear error)
+        msg = str(e).strip().splitlines()
+        first = msg[0] if msg else type(e).__name__
+        raise UnsupportedModelError(
+            f"could not capture {type(model).__name__} ({info.model_type}) with torch.export: "
+            f"{type(e).__name__}: {first}\n  at {_culprit(e)}\n"
+            "Way out: load the model with attn_implementation='sdpa' or 'eager', make sure it runs "
+            "with use_cache=False on position_ids alone, or file the construct as unsupported."
+        ) from e
+    gm = ep.module()
+    _strip_export_guards(gm)
+    return gm, info
+
+
+def _strip_export_guards(gm: torch.fx.GraphModule) -> None:
+    """Drop ``_guards_fn`` (export's input-shape guard module): the runtime owns input checks."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.graph.lint()
+    gm.recompile()
+
+
+def module_path_of(node: torch.fx.Node, pattern: str = r"\.layers\.\d+\.[A-Za-z_]*attn[A-Za-z_]*$") -> str | None:
+    """The innermost module (from export's nn_module_stack) whose path matches ``pattern``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    found = None
+    for path, _cls in stack.values():
+        path = path.replace("L['self'].", "").replace("L__self__.", "")
+        if re.search(pattern, path):
+            found = path
+    return found

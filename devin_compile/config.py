@@ -1,0 +1,130 @@
+"""Configuration: one small dataclass per concern, validated when built.
+
+Every check runs in ``__post_init__`` so an invalid setting raises ``ValueError``
+before any capture or allocation work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def parse_dtype(value: Any) -> torch.dtype | None:
+    """Accept a torch dtype, a name like ``"bf16"``, or None (keep the model's)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ValueError(f"dtype={value!r} is not supported; use one of {sorted(_DTYPES)} or a torch.dtype")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV pool: block size and how much memory the pool may take.
+
+    ``num_blocks`` wins over ``memory_bytes`` which wins over ``memory_fraction``
+    (a fraction of free device memory; on CPU, of available RAM).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    memory_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size!r} must be a positive power of two (e.g. 16)")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_blocks={self.num_blocks!r} must be a positive integer")
+        if self.memory_bytes is not None and (not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0):
+            raise ValueError(f"kv_cache_memory={self.memory_bytes!r} must be a positive number of bytes")
+        if not (0.0 < float(self.memory_fraction) <= 0.95):
+            raise ValueError(f"kv_cache_fraction={self.memory_fraction!r} must be in (0, 0.95]")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits for one engine step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
+
+
+@dataclass
+class OptimizeConfig:
+    """Everything ``optimize()`` accepts besides the model and tokenizer.
+
+    Unknown keys are rejected by :meth:`from_kwargs` with the list of valid ones.
+    """
+
+    dtype: torch.dtype | None = None
+    device: str | None = None
+    attention_backend: str | None = None  # None: registry picks (env DEVIN_ATTENTION_BACKEND overrides)
+    verify: bool = False
+    dump_dir: str | None = None
+    fuse_projections: bool = True
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device={self.device!r} is not a valid torch device: {e}") from None
+        if self.attention_backend is not None:
+            from .backends.registry import backend_names
+
+            if self.attention_backend not in backend_names():
+                raise ValueError(
+                    f"attention_backend={self.attention_backend!r} is unknown; valid: {backend_names()}"
+                )
+        if self.dump_dir is None:
+            self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
+
+    # Flat keyword names users pass to optimize(), mapped onto the nested dataclasses.
+    _FLAT = {
+        "block_size": ("cache", "block_size"),
+        "num_kv_blocks": ("cache", "num_blocks"),
+        "kv_cache_memory": ("cache", "memory_bytes"),
+        "kv_cache_fraction": ("cache", "memory_fraction"),
+        "max_num_seqs": ("scheduler", "max_num_seqs"),
+        "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+        "max_model_len": ("scheduler", "max_model_len"),
+    }
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "OptimizeConfig":
+        top = {f.name for f in dataclasses.fields(cls)}
+        direct: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}}
+        for key, value in kwargs.items():
+            if key in cls._FLAT:
+                group, name = cls._FLAT[key]
+                nested[group][name] = value
+            elif key in top and key not in nested:
+                direct[key] = value
+            else:
+                valid = sorted((top - set(nested)) | set(cls._FLAT))
+                raise ValueError(f"optimize() got an unknown option {key!r}; valid options: {valid}")
+        return cls(cache=CacheConfig(**nested["cache"]), scheduler=SchedulerConfig(**nested["scheduler"]), **direct)

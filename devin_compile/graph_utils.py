@@ -1,0 +1,75 @@
+"""Small FX helpers shared by passes: new nodes with shape metadata, arg walking."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.fx.node import map_arg
+
+aten = torch.ops.aten
+
+
+def fake_value(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+
+def add_call(graph: torch.fx.Graph, target: Callable, args: tuple = (), kwargs: dict | None = None,
+             like: torch.fx.Node | None = None) -> torch.fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's insertion point, with ``meta['val']``.
+
+    The fake value is computed by running ``target`` on the inputs' fake values, so dumps
+    keep showing shape:dtype for rewritten graphs. ``like`` copies module-stack metadata.
+    """
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    fargs = map_arg(args, fake_value)
+    fkwargs = map_arg(kwargs, fake_value)
+    mode = detect_fake_mode([v for v in torch.utils._pytree.tree_leaves((fargs, fkwargs)) if isinstance(v, torch.Tensor)])
+    if mode is not None:
+        with mode:
+            node.meta["val"] = target(*fargs, **fkwargs)
+    if like is not None:
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+    return node
+
+
+def node_shape(node: Any) -> tuple | None:
+    v = fake_value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def describe_value(v: Any) -> str:
+    """'f32[1, s0, 576]'-style text for a fake value (or a tuple of them)."""
+    if isinstance(v, torch.Tensor):
+        dt = str(v.dtype).replace("torch.", "")
+        return f"{dt}[{', '.join(str(s) for s in v.shape)}]"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(describe_value(x) for x in v) + ")"
+    if v is None:
+        return "-"
+    return type(v).__name__
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def count_nodes(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
+
+
+def remove_unused_attributes(gm: torch.fx.GraphModule) -> None:
+    """Delete parameters/buffers no get_attr node reads any more (after DCE)."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
+        if name not in used:
+            owner_path, _, attr = name.rpartition(".")
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+            if attr in owner._parameters:
+                del owner._parameters[attr]
+            elif attr in owner._buffers:
+                del owner._buffers[attr]

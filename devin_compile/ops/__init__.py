@@ -1,0 +1,2 @@
+"""``devin::`` custom ops (torch.library): the only door between graphs and kernels."""
+from . import paged_attention  # noqa: F401  (registers devin::paged_attention)

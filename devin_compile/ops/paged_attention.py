@@ -1,0 +1,37 @@
+"""``devin::paged_attention``: write this step's K/V into the paged cache and attend.
+
+Schema::
+
+    devin::paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale,
+                           float softcap=0., int sliding_window=-1) -> Tensor
+
+q: [T, Hq, D], k/v: [T, Hkv, D] for the T packed tokens of one step; returns
+[T, Hq, Dv]. The cache, block tables, slot mapping and sequence lengths come from the
+per-step context (:mod:`devin_compile.runtime.context`), never from the graph. The
+backend is the one the runtime installed in the context for this step; calls it
+declines (see ``AttentionBackend.supports``) run on the torch reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..runtime.context import current_context
+
+
+@torch.library.custom_op("devin::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                    softcap: float = 0.0, sliding_window: int = -1) -> torch.Tensor:
+    ctx = current_context()
+    k_cache, v_cache = ctx.kv_cache.layer(layer)
+    backend = ctx.backend
+    if not backend.supports(dtype=q.dtype, head_dim=q.shape[-1], softcap=softcap, sliding_window=sliding_window):
+        from ..backends.registry import get_backend
+
+        backend = get_backend("torch_reference")
+    return backend.forward(q, k, v, k_cache, v_cache, ctx.attn, scale=scale, softcap=softcap,
+                           sliding_window=sliding_window)
+
+
+@paged_attention.register_fake
+def _(q, k, v, layer, scale, softcap=0.0, sliding_window=-1):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))

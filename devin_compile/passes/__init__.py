@@ -1,0 +1,18 @@
+"""Graph passes, one per file, each ``graph → graph`` (see pipeline.Pass)."""
+from __future__ import annotations
+
+from .attention_to_paged import AttentionToPaged
+from .cleanup import Cleanup
+from .fuse_projections import FuseProjections
+
+
+def default_passes(config, info) -> list:
+    """The optimize() pipeline, in order."""
+    passes = [AttentionToPaged()]
+    if config.fuse_projections:
+        passes.append(FuseProjections())
+    passes.append(Cleanup())
+    return passes
+
+
+__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "default_passes"]

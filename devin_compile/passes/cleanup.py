@@ -1,0 +1,66 @@
+"""cleanup: remove work that does nothing (runs on any graph).
+
+Patterns → replacements:
+
+- export metadata asserts → removed; unreachable nodes → removed (see dead_code)
+- ``x.to(dtype)`` / ``_to_copy(x, dtype=…)`` where x already has that dtype → ``x``
+- ``dropout(x, p, train=False)`` and ``dropout(x, 0, …)`` → ``x``
+- ``transpose(transpose(x, a, b), a, b)`` → ``x``
+
+Invariant: values are bit-identical before and after (only no-ops are removed).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..graph_utils import fake_value, is_call
+from ..pipeline import Pass, PassContext, PassResult
+from .dead_code import eliminate_dead_code
+
+aten = torch.ops.aten
+
+
+def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node ``node`` merely forwards, or None."""
+    if is_call(node, aten.to.dtype):
+        src = node.args[0]
+        v = fake_value(src)
+        if isinstance(v, torch.Tensor) and v.dtype == node.args[1] and not node.kwargs.get("copy", False) \
+                and node.kwargs.get("memory_format") is None:
+            return src
+    if is_call(node, aten._to_copy.default):
+        src = node.args[0]
+        v = fake_value(src)
+        if isinstance(v, torch.Tensor) and set(node.kwargs) <= {"dtype"} and node.kwargs.get("dtype", v.dtype) == v.dtype:
+            return src
+    if is_call(node, aten.dropout.default):
+        p = node.args[1]
+        train = node.args[2] if len(node.args) > 2 else True
+        if p == 0 or not train:
+            return node.args[0]
+    if is_call(node, aten.transpose.int) and is_call(node.args[0], aten.transpose.int):
+        inner = node.args[0]
+        dims = lambda n: sorted(d % fake_value(n).dim() for d in n.args[1:3])  # noqa: E731
+        if fake_value(node) is not None and dims(node) == dims(inner):
+            return inner.args[0]
+    return None
+
+
+def remove_noops(gm: torch.fx.GraphModule) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        src = _noop_source(node)
+        if src is not None:
+            node.replace_all_uses_with(src)
+            count += 1
+    return count
+
+
+class Cleanup(Pass):
+    name = "cleanup"
+
+    def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
+        folded = remove_noops(gm)
+        removed = eliminate_dead_code(gm)
+        return PassResult(matches=folded, note=f"{folded} no-ops bypassed, {removed} nodes removed")

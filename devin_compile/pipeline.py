@@ -1,0 +1,222 @@
+"""Pass base class and PassManager: order, verify, report, dump.
+
+A :class:`Program` is a set of named FX graphs (``main`` after capture; ``prefill`` and
+``decode`` once phases are split). A :class:`Pass` rewrites a Program in place and
+returns a :class:`PassResult`; it never holds runtime state. The manager
+
+1. validates the order: a networkx DAG of each pass's ``requires`` (a cycle or a
+   prerequisite that is missing or scheduled later is a ``ValueError``);
+2. runs each pass, lints every graph after it, and records time, matches and node counts;
+3. dumps ``NN_<pass>.py`` (readable code), ``NN_<pass>.txt`` (nodes with shape:dtype)
+   and ``index.md`` (the report table) when a dump directory is set;
+4. with ``verify=True``, re-runs a probe after each pass and names the first pass whose
+   output drifts from the captured graph's.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import networkx as nx
+import torch
+import torch.fx
+
+from .graph_utils import count_nodes, describe_value
+
+
+class PassError(RuntimeError):
+    """A pass could not do a required rewrite (names the layer and pattern)."""
+
+
+@dataclass
+class Program:
+    """The graphs being compiled, by phase name."""
+
+    graphs: dict[str, torch.fx.GraphModule]
+
+    def node_count(self) -> int:
+        return sum(count_nodes(g) for g in self.graphs.values())
+
+    @property
+    def main(self) -> torch.fx.GraphModule:
+        return next(iter(self.graphs.values()))
+
+
+@dataclass
+class PassContext:
+    """Compile-time facts a pass may read (model info, config); no runtime state."""
+
+    info: Any
+    config: Any
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PassResult:
+    matches: int = 0
+    note: str = ""
+
+
+class Pass:
+    """Base class. Subclasses set ``name`` and ``requires`` and implement :meth:`run_graph`
+    (called per graph) or :meth:`run` (whole program)."""
+
+    name: ClassVar[str] = "pass"
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
+        """A one-line reason to skip this pass here (e.g. no CUDA), or None to run it."""
+        return None
+
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
+        total = PassResult()
+        notes = []
+        for phase, gm in program.graphs.items():
+            r = self.run_graph(gm, phase, ctx)
+            total.matches += r.matches
+            if r.note:
+                notes.append(r.note if len(program.graphs) == 1 else f"{phase}: {r.note}")
+        total.note = "; ".join(notes)
+        return total
+
+    def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
+        raise NotImplementedError(f"{type(self).__name__} implements neither run nor run_graph")
+
+
+@dataclass
+class PassRecord:
+    index: int
+    name: str
+    status: str  # "ran" | "skipped"
+    time_ms: float
+    matches: int
+    nodes_before: int
+    nodes_after: int
+    note: str = ""
+    max_drift: float | None = None
+
+
+@dataclass
+class PassReport:
+    records: list[PassRecord] = field(default_factory=list)
+    first_drift: str | None = None
+
+    def as_markdown(self) -> str:
+        verify = any(r.max_drift is not None for r in self.records)
+        head = "| # | pass | status | time ms | matches | nodes before | nodes after | note |"
+        sep = "|---|---|---|---:|---:|---:|---:|---|"
+        if verify:
+            head += " max drift |"
+            sep += "---:|"
+        lines = [head, sep]
+        for r in self.records:
+            row = (f"| {r.index:02d} | {r.name} | {r.status} | {r.time_ms:.1f} | {r.matches} | "
+                   f"{r.nodes_before} | {r.nodes_after} | {r.note} |")
+            if verify:
+                row += f" {'' if r.max_drift is None else f'{r.max_drift:.2e}'} |"
+            lines.append(row)
+        if self.first_drift:
+            lines.append(f"\nFirst pass whose output drifts: **{self.first_drift}**")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.as_markdown()
+
+
+Probe = Callable[[Program], torch.Tensor]
+
+
+class PassManager:
+    """Runs an ordered list of passes over a Program (see module docstring)."""
+
+    def __init__(self, passes: list[Pass], *, dump_dir: str | None = None, probe: Probe | None = None,
+                 drift_tol: float = 1e-3) -> None:
+        names = [p.name for p in passes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pass names must be unique, got {names}")
+        self.passes = passes
+        self.dump_dir = dump_dir
+        self.probe = probe
+        self.drift_tol = drift_tol
+        self.validate_order()
+
+    def validate_order(self) -> None:
+        g = nx.DiGraph()
+        position = {p.name: i for i, p in enumerate(self.passes)}
+        for p in self.passes:
+            g.add_node(p.name)
+            for req in p.requires:
+                g.add_edge(req, p.name)
+        try:
+            cycle = nx.find_cycle(g)
+            raise ValueError(f"pass requirements form a cycle: {' -> '.join(a for a, _ in cycle)}")
+        except nx.NetworkXNoCycle:
+            pass
+        for p in self.passes:
+            for req in p.requires:
+                if req not in position:
+                    raise ValueError(f"pass {p.name!r} requires {req!r}, which is not in the pipeline {list(position)}")
+                if position[req] > position[p.name]:
+                    raise ValueError(f"pass {p.name!r} requires {req!r}, which is scheduled after it")
+
+    def run(self, program: Program, ctx: PassContext) -> PassReport:
+        report = PassReport()
+        reference = self._probe(program) if self.probe else None
+        self._dump(0, "captured", program, report)
+        for i, p in enumerate(self.passes, start=1):
+            before = program.node_count()
+            reason = p.skip_reason(program, ctx)
+            if reason is not None:
+                report.records.append(PassRecord(i, p.name, "skipped", 0.0, 0, before, before, reason))
+                continue
+            t0 = time.perf_counter()
+            result = p.run(program, ctx)
+            for gm in program.graphs.values():
+                gm.graph.lint()
+                gm.recompile()
+            dt = (time.perf_counter() - t0) * 1e3
+            rec = PassRecord(i, p.name, "ran", dt, result.matches, before, program.node_count(), result.note)
+            if reference is not None:
+                out = self._probe(program)
+                rec.max_drift = float((out.float() - reference.float()).abs().max())
+                if rec.max_drift > self.drift_tol and report.first_drift is None:
+                    report.first_drift = p.name
+            report.records.append(rec)
+            self._dump(i, p.name, program, report)
+        return report
+
+    def _probe(self, program: Program) -> torch.Tensor:
+        with torch.no_grad():
+            return self.probe(program)
+
+    def _dump(self, index: int, name: str, program: Program, report: PassReport) -> None:
+        if not self.dump_dir:
+            return
+        os.makedirs(self.dump_dir, exist_ok=True)
+        stem = os.path.join(self.dump_dir, f"{index:02d}_{name}")
+        code, table = [], []
+        for phase, gm in program.graphs.items():
+            code.append(f"# ===== graph: {phase} =====\n")
+            code.append(gm.print_readable(print_output=False, include_stride=False, include_device=False))
+            table.append(f"# graph: {phase}")
+            table.append(f"{'node':40} {'op':14} {'shape:dtype':28} target")
+            for n in gm.graph.nodes:
+                target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+                if n.op == "call_function":
+                    target = str(n.target)
+                table.append(f"{n.name:40} {n.op:14} {describe_value(n.meta.get('val')):28} {target}")
+            table.append("")
+        with open(stem + ".py", "w") as f:
+            f.write("\n".join(code))
+        with open(stem + ".txt", "w") as f:
+            f.write("\n".join(table))
+        with open(os.path.join(self.dump_dir, "index.md"), "w") as f:
+            f.write("# devin-compile pass report\n\n")
+            f.write(f"Files: `NN_<pass>.py` (code), `NN_<pass>.txt` (nodes with shape:dtype); "
+                    f"`00_captured` is the graph before any pass.\n\n")
+            f.write(report.as_markdown() + "\n")

@@ -1,0 +1,122 @@
+"""Per-step context: how runtime state reaches ``devin::`` ops.
+
+Graphs never hold block tables, slot mappings or sequence lengths as constants. The
+runtime builds an :class:`AttentionMetadata` for each step and installs it, together
+with the KV cache and the chosen attention backend, with :func:`step_context`. Ops read
+it with :func:`current_context`.
+
+Token layout (all sequences packed end to end, no padding)::
+
+    input_ids          [1, T]
+    query_start_loc    [B+1]  int32, sequence b owns tokens query_start_loc[b]:query_start_loc[b+1]
+    seq_lens           [B]    int32, cached tokens of b *after* this step's tokens are written
+    block_tables       [B, M] int32, physical block of b's logical block j (padding: 0, never read)
+    slot_mapping       [T]    int64, flat cache slot (block * block_size + offset) for each new token;
+                              -1 means "write nothing" (padded decode slots)
+
+Query token i of sequence b (0-based within the step) may attend to cached slots
+``0 .. seq_lens[b] - q_len_b + i`` (causal by slot index, which keeps working after KV
+pruning compacts a sequence's slots).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from ..backends.registry import AttentionBackend
+    from .kv_cache import PagedKVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """The attention half of one step's metadata (see module docstring for layout)."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Host-side copies, so CPU backends can loop without device syncs.
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    has_padded_slots: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Build tensors from host lists (one sequence per entry)."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        width = max((len(bt) for bt in block_tables), default=1) or 1
+        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for i, bt in enumerate(block_tables):
+            if bt:
+                table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        dev = torch.device(device)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table.to(dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_host=list(query_lens),
+            seq_lens_host=list(seq_lens),
+            has_padded_slots=any(s < 0 for s in slot_mapping),
+        )
+
+
+@dataclass
+class StepContext:
+    """What ops may read during one forward: metadata, the KV cache, the backend."""
+
+    attn: AttentionMetadata
+    kv_cache: "PagedKVCache"
+    backend: "AttentionBackend"
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[StepContext]:
+    """Install ``ctx`` for the ops run inside the ``with`` block (re-entrant, thread-local)."""
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = prev
+
+
+def current_context() -> StepContext:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError(
+            "devin::paged_attention ran outside a runtime step: no step context is installed. "
+            "Run the compiled graph through devin_compile's Engine/OptimizedModel, or wrap the call "
+            "in devin_compile.runtime.context.step_context(...)."
+        )
+    return ctx

@@ -1,0 +1,95 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seed.
+
+Greedy rows are decided together with one ``argmax``; sampled rows use each request's
+own ``torch.Generator`` (seeded when ``seed`` is given), so a request's tokens do not
+depend on what it is batched with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+import torch
+
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings, validated at construction (``ValueError``)."""
+
+    max_new_tokens: int = 16
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an integer or None")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
+        if any(not callable(p) for p in self.logits_processors):
+            raise ValueError("logits_processors must be callables (token_ids, logits) -> logits")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    def make_generator(self) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return g
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (with -inf) everything outside the top-k and the top-p nucleus; logits is [V]."""
+    if top_k and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass *before* it already reaches top_p (always keeps the first)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of float32 logits [V]."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_batch(logits: torch.Tensor, params: Seq[SamplingParams],
+                 generators: Seq[torch.Generator | None]) -> list[int]:
+    """Tokens for each row of logits [N, V] (rows without processors/sampling share one argmax)."""
+    greedy = [p.greedy for p in params]
+    out: list[int] = [0] * len(params)
+    if any(greedy):
+        best = torch.argmax(logits, dim=-1).tolist()
+        for i, g in enumerate(greedy):
+            if g:
+                out[i] = best[i]
+    for i, p in enumerate(params):
+        if not greedy[i]:
+            out[i] = sample_row(logits[i].float(), p, generators[i])
+    return out
