@@ -25,19 +25,48 @@ def _sdpa(q, k, v, *, scale, mask=None, causal=False):
                                           enable_gqa=q.shape[-3] != k.shape[-3])
 
 
+def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device):
+    """How this step's decode reads the cache, computed once per step for all layers.
+
+    ("range", start, length) when a single sequence's blocks are consecutive (a plain
+    view of the cache, no copy); otherwise ("gather", flat slot index [B*L], mask or None).
+    """
+    plan = meta.scratch.get("cpu_decode")
+    if plan is not None:
+        return plan
+    L = meta.max_seq_len
+    nblocks = (L + block_size - 1) // block_size
+    tables = [bt[:nblocks] for bt in meta.block_tables_host]
+    if len(tables) == 1 and all(b - a == 1 for a, b in zip(tables[0], tables[0][1:])):
+        plan = ("range", tables[0][0] * block_size, L)
+    else:
+        slots = torch.arange(L, device=device)
+        table = meta.block_tables[:, :nblocks].long()
+        flat = table.gather(1, (slots // block_size)[None].expand(len(tables), -1)) * block_size + slots % block_size
+        mask = None
+        if min(meta.seq_lens_host) != L:
+            mask = (slots[None, :] < meta.seq_lens[:, None]).view(len(tables), 1, 1, L)
+        plan = ("gather", flat.flatten(), mask)
+    meta.scratch["cpu_decode"] = plan
+    return plan
+
+
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     B = meta.num_seqs
-    bs = k_cache.shape[1]
-    max_len = meta.max_seq_len
-    nblocks = (max_len + bs - 1) // bs
-    table = meta.block_tables[:, :nblocks].long()
-    kk = k_cache[table].reshape(B, nblocks * bs, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
-    vv = v_cache[table].reshape(B, nblocks * bs, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
-    qq = q.unsqueeze(2)  # [B, Hq, 1, D]
-    mask = None
-    if min(meta.seq_lens_host) != max_len:
-        mask = (torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:, None]).view(B, 1, 1, max_len)
-    return _sdpa(qq, kk.to(q.dtype), vv.to(q.dtype), scale=scale, mask=mask).squeeze(2)
+    plan = _decode_plan(meta, k_cache.shape[1], q.device)
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    if plan[0] == "range":
+        _, start, L = plan
+        kk = kc[start:start + L].transpose(0, 1)[None]
+        vv = vc[start:start + L].transpose(0, 1)[None]
+        mask = None
+    else:
+        _, flat, mask = plan
+        L = meta.max_seq_len
+        kk = kc.index_select(0, flat).view(B, L, *kc.shape[1:]).transpose(1, 2)
+        vv = vc.index_select(0, flat).view(B, L, *vc.shape[1:]).transpose(1, 2)
+    return _sdpa(q.unsqueeze(2), kk.to(q.dtype), vv.to(q.dtype), scale=scale, mask=mask).squeeze(2)
 
 
 class CpuSdpaBackend:
@@ -47,7 +76,7 @@ class CpuSdpaBackend:
     def is_available(self, device: torch.device) -> bool:
         return device.type == "cpu"
 
-    def supports(self, *, dtype, head_dim, softcap, sliding_window) -> bool:
+    def supports(self, *, dtype, head_dim, softcap, sliding_window, block_size=None) -> bool:
         return softcap <= 0
 
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):

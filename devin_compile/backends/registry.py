@@ -22,7 +22,10 @@ class AttentionBackend(Protocol):
 
     def is_available(self, device: torch.device) -> bool: ...
 
-    def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int) -> bool: ...
+    def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
+                 block_size: int | None = None) -> bool:
+        """False to decline one call (it then runs on the torch reference)."""
+        ...
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -45,16 +48,21 @@ def register_backend(backend: AttentionBackend) -> AttentionBackend:
 
 
 # Modules that register a backend when imported (each checks its own availability lazily).
-_BACKEND_MODULES = ("torch_reference", "cpu_sdpa", "flash_attn")
+_BACKEND_MODULES = ("torch_reference", "cpu_sdpa", "flash_attn", "triton_paged")
+
+
+_loaded = False
 
 
 def _ensure_loaded() -> None:
-    if _BACKENDS:
+    global _loaded
+    if _loaded:
         return
     import importlib
 
     for mod in _BACKEND_MODULES:
         importlib.import_module(f"{__package__}.{mod}")
+    _loaded = True
 
 
 def backend_names() -> list[str]:

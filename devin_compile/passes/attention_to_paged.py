@@ -52,8 +52,14 @@ class AttentionSite:
     form: str  # "sdpa" | "eager"
 
 
+# torch.export's metadata checks (e.g. after ``softmax(..., dtype=float32).to(float32)``):
+# they read a value without using it, so they do not count as users when walking a pattern.
+_ASSERTS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default)
+
+
 def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    users = list(node.users)
+    """The one real (non-assert) user of ``node``, or None."""
+    users = [u for u in node.users if not is_call(u, *_ASSERTS)]
     return users[0] if len(users) == 1 else None
 
 

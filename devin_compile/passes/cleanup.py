@@ -47,9 +47,10 @@ def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-def remove_noops(gm: torch.fx.GraphModule) -> int:
+def remove_noops(graph: torch.fx.Graph) -> int:
+    """Bypass every no-op node in ``graph`` (left for DCE to remove); returns how many."""
     count = 0
-    for node in list(gm.graph.nodes):
+    for node in list(graph.nodes):
         src = _noop_source(node)
         if src is not None:
             node.replace_all_uses_with(src)
@@ -61,6 +62,6 @@ class Cleanup(Pass):
     name = "cleanup"
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        folded = remove_noops(gm)
+        folded = remove_noops(gm.graph)
         removed = eliminate_dead_code(gm)
         return PassResult(matches=folded, note=f"{folded} no-ops bypassed, {removed} nodes removed")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -45,7 +45,11 @@ class AttentionMetadata:
     # Host-side copies, so CPU backends can loop without device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    block_tables_host: list[list[int]] = field(default_factory=list)
     has_padded_slots: bool = False
+    # Per-step memo for backends: tensors derived from this metadata once per step and
+    # reused by every layer (e.g. a decode gather index). Never holds KV data.
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -84,6 +88,7 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens, default=0),
             query_lens_host=list(query_lens),
             seq_lens_host=list(seq_lens),
+            block_tables_host=[list(bt) for bt in block_tables],
             has_padded_slots=any(s < 0 for s in slot_mapping),
         )
 

@@ -1,0 +1,62 @@
+"""Side-by-side timing helpers shared by ``devin-compile run`` and ``bench/``.
+
+Decode tokens/s counts tokens after the first one, over the time after the first
+token appeared, so prefill cost is reported separately as time to first token (TTFT).
+Every figure is a median over ``repeats`` runs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodeTiming:
+    name: str
+    decode_tok_s: float
+    ttft_s: float
+    tokens: list[int]
+
+    def row(self) -> str:
+        return f"{self.name:24} {self.decode_tok_s:10.1f} tok/s   TTFT {self.ttft_s * 1e3:8.1f} ms"
+
+
+def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int = 3) -> DecodeTiming:
+    """HF eager ``generate`` (greedy, exactly ``new_tokens``, EOS ignored), batch 1."""
+    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+    kw = dict(do_sample=False, pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+    rates, ttfts, out = [], [], None
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            total = time.perf_counter() - t0
+            ttfts.append(ttft)
+            rates.append((new_tokens - 1) / max(total - ttft, 1e-9))
+    return DecodeTiming("HF eager", statistics.median(rates), statistics.median(ttfts),
+                        out[0, len(prompt_ids):].tolist())
+
+
+def time_devin_decode(opt, prompt_ids: list[int], new_tokens: int, repeats: int = 3,
+                      name: str = "devin-compile") -> DecodeTiming:
+    """``OptimizedModel`` through its engine (greedy, exactly ``new_tokens``), batch 1."""
+    from .runtime.sampling import SamplingParams
+
+    engine = opt.engine
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate([prompt_ids], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
+    rates, ttfts, tokens = [], [], []
+    for _ in range(repeats):
+        out = engine.generate([prompt_ids], params)[0]
+        m = out.metrics
+        ttfts.append(m.ttft)
+        rates.append((new_tokens - 1) / max(m.finished - m.first_token, 1e-9))
+        tokens = out.output_ids
+    return DecodeTiming(name, statistics.median(rates), statistics.median(ttfts), tokens)

@@ -1,0 +1,350 @@
+"""Attention backends against the torch reference (the oracle), as hypothesis properties.
+
+Every case is a random step over a random paged cache: 1-4 sequences mixing decode
+(q_len = 1), fresh prefill and chunked prefill over cached context; kv lengths that
+cross block boundaries and leave the last block partly filled; block_size 4 or 16;
+GQA ratios 1-3; head_dim 16/32/64; pages assigned in random (non-contiguous) order;
+in pure-decode steps, padded entries whose slot is -1. For each backend we check that
+
+* the cache after the backend's write equals the cache after the reference write, and
+  padded (-1) slots wrote nothing (every slot outside the real slot mapping is untouched);
+* the output of every real token equals ``reference_paged_attention``'s.
+
+The Triton backend runs on CPU through the Triton interpreter, so TRITON_INTERPRET=1 is
+set before anything can import triton (unless the caller chose a value). It is put back
+once the imports are done and re-set only while this module's tests run: left on, it
+would make every other test in the session that picks a CPU backend get the (slow,
+interpreted) Triton one, since "triton" outranks "cpu_sdpa" when it is available.
+"""
+from __future__ import annotations
+
+import os
+
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+_INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+
+import importlib.util  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import devin_compile.backends.cpu_sdpa  # noqa: E402,F401  (registers "cpu_sdpa")
+import devin_compile.backends.triton_paged as triton_paged  # noqa: E402  (registers "triton")
+import devin_compile.ops  # noqa: E402,F401  (registers torch.ops.devin.paged_attention)
+from devin_compile.backends.kv_write import write_kv  # noqa: E402
+from devin_compile.backends.registry import get_backend  # noqa: E402
+from devin_compile.backends.torch_reference import reference_paged_attention  # noqa: E402
+from devin_compile.runtime.context import AttentionMetadata, StepContext, step_context  # noqa: E402
+from devin_compile.runtime.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+
+if _PREV_INTERPRET is None:
+    del os.environ["TRITON_INTERPRET"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton_interpreter():
+    """TRITON_INTERPRET=1 for this module's tests only (read when kernels jit and in is_available)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if _INTERPRET:
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+requires_triton = pytest.mark.skipif(
+    not _HAVE_TRITON or not _INTERPRET,
+    reason="triton backend tests need triton installed and TRITON_INTERPRET=1 (they run the kernels "
+           "on CPU through the Triton interpreter)",
+)
+
+CPU = torch.device("cpu")
+NULL_BLOCK = 0  # reserved page that padded entries point at; never given to a real sequence
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass
+class Case:
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    seed: int
+    softcap: float = 0.0
+    sliding_window: int = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def meta(self) -> AttentionMetadata:
+        return AttentionMetadata.build(self.query_lens, self.seq_lens, self.block_tables, self.slot_mapping)
+
+
+def _seq_shape(draw, kind: str) -> tuple[int, int]:
+    """(q_len, cached context before this step) for one sequence."""
+    if kind == "decode":
+        return 1, draw(st.integers(0, 40))
+    if kind == "prefill":
+        return draw(st.integers(1, 24)), 0
+    return draw(st.integers(2, 12)), draw(st.integers(1, 30))  # chunked prefill over cached context
+
+
+@st.composite
+def cases(draw, *, softcap: bool = False, window: bool = False, head_dims=(16, 32, 64)) -> Case:
+    block_size = draw(st.sampled_from([4, 16]))
+    hkv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 3]))
+    head_dim = draw(st.sampled_from(list(head_dims)))
+    n = draw(st.integers(1, 4))
+    pure_decode = draw(st.booleans())
+    kinds = ["decode"] * n if pure_decode else [draw(st.sampled_from(["decode", "prefill", "chunk"])) for _ in range(n)]
+    shapes = [_seq_shape(draw, k) for k in kinds]
+    num_pad = draw(st.integers(0, 2)) if pure_decode else 0
+
+    need = [-(-(q + c) // block_size) for q, c in shapes]
+    num_blocks = 1 + sum(need) + draw(st.integers(0, 3))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # random page order, skip NULL_BLOCK
+
+    query_lens, seq_lens, tables, slots = [], [], [], []
+    for (q_len, ctx), nb in zip(shapes, need):
+        table = [free.pop() for _ in range(nb)]
+        kv_len = ctx + q_len
+        query_lens.append(q_len)
+        seq_lens.append(kv_len)
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, kv_len)]
+    for _ in range(num_pad):
+        # CUDA-graph style padding: one query token, slot -1, reading (at most) the null page.
+        pad_len = draw(st.sampled_from([0, 1]))
+        query_lens.append(1)
+        seq_lens.append(pad_len)
+        tables.append([NULL_BLOCK] if pad_len else [])
+        slots.append(-1)
+
+    cap = draw(st.sampled_from([0.0, 0.0, 2.0, 10.0])) if softcap else 0.0
+    win = draw(st.sampled_from([-1, 0, 1, 3, 8, 17])) if window else -1
+    return Case(query_lens, seq_lens, tables, slots, num_blocks, block_size, hkv, group, head_dim, seed,
+                softcap=cap, sliding_window=win)
+
+
+def _tensors(case: Case, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    T, Hkv, Hq, D = case.num_tokens, case.num_kv_heads, case.num_kv_heads * case.group, case.head_dim
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q, k, v = rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D)
+    # Non-zero stale cache contents, so a stray write (or a read of the wrong page) shows.
+    k_cache, v_cache = rnd(case.num_blocks, case.block_size, Hkv, D), rnd(case.num_blocks, case.block_size, Hkv, D)
+    return q, k, v, k_cache, v_cache
+
+
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+def check_backend(name: str, case: Case, dtype: torch.dtype = torch.float32) -> None:
+    backend = get_backend(name)
+    assert backend.supports(dtype=dtype, head_dim=case.head_dim, softcap=case.softcap,
+                            sliding_window=case.sliding_window)
+    meta = case.meta()
+    q, k, v, k_cache0, v_cache0 = _tensors(case, dtype)
+    scale = case.head_dim ** -0.5
+
+    k_ref, v_ref = k_cache0.clone(), v_cache0.clone()
+    write_kv(k, v, k_ref, v_ref, meta)
+    expected = reference_paged_attention(q, k_ref, v_ref, meta, scale=scale, softcap=case.softcap,
+                                         sliding_window=case.sliding_window)
+
+    k_out, v_out = k_cache0.clone(), v_cache0.clone()
+    out = backend.forward(q, k, v, k_out, v_out, meta, scale=scale, softcap=case.softcap,
+                          sliding_window=case.sliding_window)
+
+    # Cache: identical to the reference write, and nothing outside the real slots changed.
+    assert torch.equal(k_out, k_ref), "key cache differs from the reference write"
+    assert torch.equal(v_out, v_ref), "value cache differs from the reference write"
+    untouched = torch.ones(case.num_blocks * case.block_size, dtype=torch.bool)
+    real_slots = [s for s in case.slot_mapping if s >= 0]
+    untouched[real_slots] = False
+    for new, old in ((k_out, k_cache0), (v_out, v_cache0)):
+        assert torch.equal(new.flatten(0, 1)[untouched], old.flatten(0, 1)[untouched]), \
+            "a slot outside the slot mapping (e.g. a padded -1 entry) was written"
+
+    # Output: every real token (padded entries' rows are garbage by contract).
+    assert out.shape == expected.shape and out.dtype == q.dtype
+    real = torch.tensor([s >= 0 for s in case.slot_mapping])
+    torch.testing.assert_close(out[real].float(), expected[real].float(), **TOLERANCES[dtype])
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(window=True))
+def test_cpu_sdpa_matches_reference(case: Case) -> None:
+    check_backend("cpu_sdpa", case)
+
+
+@requires_triton
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_triton_matches_reference(case: Case) -> None:
+    check_backend("triton", case)
+
+
+@requires_triton
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(softcap=True, window=True))
+def test_triton_softcap_and_sliding_window(case: Case) -> None:
+    check_backend("triton", case)
+
+
+@requires_triton
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(softcap=True, window=True))
+def test_triton_bf16(case: Case) -> None:
+    check_backend("triton", case, torch.bfloat16)
+
+
+def _fixed_case(head_dim: int, *, block_size: int = 4, softcap: float = 0.0, sliding_window: int = -1) -> Case:
+    """Decode, fresh prefill and chunked prefill in one step, GQA 2, scattered pages."""
+    # seq 0: decode at kv 9 (blocks 7,3,5); seq 1: fresh prefill of 6 (blocks 2,8);
+    # seq 2: chunk of 5 over 6 cached (blocks 1,6,4).
+    tables = [[7, 3, 5], [2, 8], [1, 6, 4]]
+    query_lens, seq_lens, ctx = [1, 6, 5], [9, 6, 11], [8, 0, 6]
+    slots = []
+    for table, kv_len, c in zip(tables, seq_lens, ctx):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, kv_len)]
+    return Case(query_lens, seq_lens, tables, slots, num_blocks=9, block_size=block_size, num_kv_heads=2,
+                group=2, head_dim=head_dim, seed=1234, softcap=softcap, sliding_window=sliding_window)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_precision_fixed(dtype: torch.dtype) -> None:
+    check_backend("triton", _fixed_case(32, softcap=5.0, sliding_window=4), dtype)
+
+
+@requires_triton
+@pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
+def test_triton_head_dims(head_dim: int) -> None:
+    """Non-powers of two are padded with masks; 256 is the largest supported."""
+    check_backend("triton", _fixed_case(head_dim))
+
+
+@requires_triton
+@pytest.mark.parametrize("sliding_window", [5, 33])
+def test_triton_long_context_window(sliding_window: int) -> None:
+    """Long sequences, so the window skips whole kv tiles (the loop's lower bound moves)."""
+    bs = 16
+    tables = [list(range(17, 8, -1)), [3, 1, 8, 5, 2, 7, 4]]  # seq 0: kv 130 decode; seq 1: chunk of 7 over 90
+    query_lens, seq_lens, ctx = [1, 7], [130, 97], [129, 90]
+    slots = []
+    for table, kv_len, c in zip(tables, seq_lens, ctx):
+        slots += [table[p // bs] * bs + p % bs for p in range(c, kv_len)]
+    case = Case(query_lens, seq_lens, tables, slots, num_blocks=18, block_size=bs, num_kv_heads=1, group=3,
+                head_dim=16, seed=7, sliding_window=sliding_window)
+    check_backend("triton", case)
+    check_backend("cpu_sdpa", case)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@requires_triton
+def test_triton_availability_and_supports(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = get_backend("triton")
+    assert backend.name == "triton" and backend.priority == 20
+    assert backend.is_available(CPU)  # TRITON_INTERPRET=1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not backend.is_available(CPU)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert backend.supports(dtype=dt, head_dim=128, softcap=30.0, sliding_window=4096)
+    assert backend.supports(dtype=torch.float32, head_dim=256, softcap=0.0, sliding_window=-1)
+    assert backend.supports(dtype=torch.float16, head_dim=80, softcap=0.0, sliding_window=-1, block_size=4)
+    assert not backend.supports(dtype=torch.float32, head_dim=512, softcap=0.0, sliding_window=-1)
+    assert not backend.supports(dtype=torch.int8, head_dim=64, softcap=0.0, sliding_window=-1)
+
+
+def test_triton_module_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without triton the backend just reports itself unavailable."""
+    monkeypatch.setattr(triton_paged, "_HAVE_TRITON", False)
+    backend = triton_paged.TritonPagedBackend()
+    assert not backend.is_available(CPU)
+    assert not backend.supports(dtype=torch.float32, head_dim=64, softcap=0.0, sliding_window=-1)
+
+
+# --------------------------------------------------------------------------- the op
+
+
+class RecordingBackend:
+    """Delegates to a real backend and records the calls it serves."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.priority = inner.priority
+        self.calls: list[dict] = []
+
+    def is_available(self, device):
+        return self.inner.is_available(device)
+
+    def supports(self, **kw):
+        return self.inner.supports(**kw)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, **kw):
+        self.calls.append(kw)
+        return self.inner.forward(q, k, v, k_cache, v_cache, meta, **kw)
+
+
+@pytest.mark.parametrize("name,softcap,served", [
+    ("cpu_sdpa", 0.0, True),
+    ("cpu_sdpa", 5.0, False),  # declined: falls back to the torch reference
+    pytest.param("triton", 0.0, True, marks=requires_triton),
+    pytest.param("triton", 5.0, True, marks=requires_triton),
+])
+def test_op_dispatches_to_installed_backend(name: str, softcap: float, served: bool) -> None:
+    case = _fixed_case(32)
+    meta = case.meta()
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                       dtype=torch.float32, block_size=case.block_size)
+    cache = PagedKVCache(spec, case.num_blocks)
+    q, k, v, k0, v0 = _tensors(case, torch.float32)
+    layer = 1
+    cache.data[layer, 0].copy_(k0)
+    cache.data[layer, 1].copy_(v0)
+    before = cache.data.clone()
+    scale = case.head_dim ** -0.5
+
+    k_ref, v_ref = k0.clone(), v0.clone()
+    write_kv(k, v, k_ref, v_ref, meta)
+    expected = reference_paged_attention(q, k_ref, v_ref, meta, scale=scale, softcap=softcap)
+
+    backend = RecordingBackend(get_backend(name))
+    with step_context(StepContext(meta, cache, backend)):
+        out = torch.ops.devin.paged_attention(q, k, v, layer, scale, softcap, -1)
+
+    assert len(backend.calls) == (1 if served else 0)
+    if served:
+        assert backend.calls[0] == dict(scale=scale, softcap=softcap, sliding_window=-1)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    k_layer, v_layer = cache.layer(layer)
+    assert torch.equal(k_layer, k_ref) and torch.equal(v_layer, v_ref)
+    assert torch.equal(cache.data[0], before[0]), "the op wrote into another layer"
