@@ -75,6 +75,28 @@ def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
             if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
+def _module_kv_heads(attn: list[tuple[str, torch.nn.Module]], heads: int) -> int | None:
+    """KV heads as the attention modules themselves use them, when they say so.
+
+    The config can disagree with the module: Falcon's multi-query attention keeps
+    ``config.num_kv_heads == num_attention_heads`` but runs with one KV head. Modules
+    expose ``num_key_value_heads`` / ``num_kv_heads`` or ``num_key_value_groups``
+    (query heads per KV head); if all layers agree on one value, it wins over the config.
+    """
+    found = set()
+    for _n, m in attn:
+        for name in ("num_key_value_heads", "num_kv_heads"):
+            v = getattr(m, name, None)
+            if isinstance(v, int) and v > 0:
+                found.add(v)
+                break
+        else:
+            g = getattr(m, "num_key_value_groups", None)
+            if isinstance(g, int) and g > 0 and heads % g == 0:
+                found.add(heads // g)
+    return found.pop() if len(found) == 1 else None
+
+
 def model_info(model: torch.nn.Module) -> ModelInfo:
     """Read the facts the compiler needs from an HF model, or say why it is unsupported."""
     cfg = getattr(model, "config", None)
@@ -98,9 +120,9 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
     if missing:
         raise UnsupportedModelError(f"{type(model).__name__}'s config lacks {missing}; not a decoder LM config")
     heads = text_cfg.num_attention_heads
-    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
     attn = _attention_modules(model)
+    kv_heads = _module_kv_heads(attn, heads) or getattr(text_cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
     param = next(model.parameters())
     return ModelInfo(
         model_type=getattr(cfg, "model_type", type(model).__name__),
@@ -114,8 +136,109 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
         device=param.device,
         eos_token_ids=_eos_ids(model),
         attention_modules=["m." + n for n, _ in attn],
-        sliding_windows={"m." + n: int(getattr(m, "sliding_window", None) or -1) for n, m in attn},
+        sliding_windows={"m." + n: w for n, w in _sliding_windows(model, text_cfg, attn).items()},
     )
+
+
+_MISSING = object()
+_PROBE_LEN = 6
+_PROBE_WINDOW = 2
+
+
+def _attribute_windows(attn: list[tuple[str, torch.nn.Module]]) -> dict[str, int]:
+    return {n: int(getattr(m, "sliding_window", None) or -1) for n, m in attn}
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor | None:
+    """[q, kv] bool 'query sees key' from an HF 4D mask (bool, or additive float with min for masked)."""
+    if mask.dim() == 4:
+        mask = mask[0, 0]
+    if mask.dim() != 2:
+        return None
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        return mask > torch.finfo(mask.dtype).min / 2
+    return None
+
+
+def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, torch.nn.Module]]) -> dict[str, int]:
+    """Each attention module's sliding window (-1: full causal), read from the mask HF builds.
+
+    Where the window lives differs by family: some attention modules carry
+    ``sliding_window`` (Gemma 2/3, Qwen2, Cohere2, ...), others (Mistral, Mixtral, Phi-3,
+    Starcoder2) only have ``config.sliding_window`` and apply it through the mask. So we
+    observe the mask instead: one short forward (``_PROBE_LEN`` tokens) with the config's
+    window temporarily set to ``_PROBE_WINDOW``, recording each attention module's
+    ``attention_mask`` argument. A layer whose mask is the plain causal one (or None, SDPA's
+    is_causal shortcut) is full attention; a layer whose mask is the causal band of width
+    ``_PROBE_WINDOW`` uses ``config.sliding_window``; any other mask (chunked, bidirectional
+    prefix, ...) raises :class:`UnsupportedModelError`. If the probe cannot run or a mask
+    is not a plain [q, kv] tensor, the modules' ``sliding_window`` attributes are used.
+    """
+    fallback = _attribute_windows(attn)
+    if not attn:
+        return fallback
+    window = getattr(text_cfg, "sliding_window", None)
+    has_window = isinstance(window, int) and not isinstance(window, bool) and window > 0
+    masks: dict[str, object] = {}
+    hooks = []
+
+    def recorder(name: str, module: torch.nn.Module):
+        sig = inspect.signature(module.forward)
+
+        def hook(_mod, args, kwargs):
+            try:
+                bound = sig.bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                bound = kwargs
+            masks.setdefault(name, bound.get("attention_mask", _MISSING))
+
+        return hook
+
+    param = next(model.parameters())
+    L = _PROBE_LEN
+    ids = (torch.arange(L, device=param.device) % max(1, text_cfg.vocab_size))[None]
+    was_training = model.training
+    try:
+        for n, m in attn:
+            hooks.append(m.register_forward_pre_hook(recorder(n, m), with_kwargs=True))
+        if has_window:
+            text_cfg.sliding_window = _PROBE_WINDOW
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=torch.arange(L, device=param.device)[None], use_cache=False)
+    except Exception:  # noqa: BLE001  (capture will report the real problem, if any)
+        return fallback
+    finally:
+        for h in hooks:
+            h.remove()
+        if has_window:
+            text_cfg.sliding_window = window
+        model.train(was_training)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    band = causal & ~torch.ones(L, L, dtype=torch.bool).tril(-_PROBE_WINDOW)
+    out: dict[str, int] = {}
+    for n, _m in attn:
+        mask = masks.get(n, _MISSING)
+        if mask is None:
+            out[n] = -1
+            continue
+        vis = _visible(mask) if isinstance(mask, torch.Tensor) else None
+        if vis is None or tuple(vis.shape) != (L, L):
+            out[n] = fallback[n]
+            continue
+        vis = vis.cpu()
+        if torch.equal(vis, causal):
+            out[n] = -1
+        elif has_window and torch.equal(vis, band):
+            out[n] = int(window)
+        else:
+            raise UnsupportedModelError(
+                f"{n}: the attention mask {type(model).__name__} builds is neither causal nor a causal "
+                f"sliding window (e.g. chunked or bidirectional attention); the paged runtime serves only those"
+            )
+    return out
 
 
 def _culprit(exc: BaseException) -> str:
@@ -169,12 +292,16 @@ def _strip_export_guards(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def module_path_of(node: torch.fx.Node, pattern: str = r"\.layers\.\d+\.[A-Za-z_]*attn[A-Za-z_]*$") -> str | None:
-    """The innermost module (from export's nn_module_stack) whose path matches ``pattern``."""
+def module_path_of(node: torch.fx.Node, pattern: str = r"\.layers\.\d+\.[A-Za-z_]*attn[A-Za-z_]*$",
+                   among: "set[str] | list[str] | None" = None) -> str | None:
+    """The innermost module (from export's nn_module_stack) whose path is in ``among`` (when
+    given, e.g. ``ModelInfo.attention_modules``; this works whatever the layers are called:
+    ``h.0.attn``, ``layers.0.attention``) or else matches ``pattern``."""
     stack = node.meta.get("nn_module_stack") or {}
     found = None
+    wanted = set(among) if among is not None else None
     for path, _cls in stack.values():
         path = path.replace("L['self'].", "").replace("L__self__.", "")
-        if re.search(pattern, path):
+        if (path in wanted) if wanted is not None else re.search(pattern, path):
             found = path
     return found

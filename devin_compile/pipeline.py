@@ -173,6 +173,7 @@ class PassManager:
             reason = p.skip_reason(program, ctx)
             if reason is not None:
                 report.records.append(PassRecord(i, p.name, "skipped", 0.0, 0, before, before, reason))
+                self._dump(i, p.name, program, report)  # index.md lists every pass, skipped ones too
                 continue
             t0 = time.perf_counter()
             result = p.run(program, ctx)

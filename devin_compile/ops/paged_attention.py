@@ -24,7 +24,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     ctx = current_context()
     k_cache, v_cache = ctx.kv_cache.layer(layer)
     backend = ctx.backend
-    if not backend.supports(dtype=q.dtype, head_dim=q.shape[-1], softcap=softcap, sliding_window=sliding_window):
+    if not backend.supports(dtype=q.dtype, head_dim=q.shape[-1], softcap=softcap, sliding_window=sliding_window,
+                            block_size=k_cache.shape[1]):
         from ..backends.registry import get_backend
 
         backend = get_backend("torch_reference")

@@ -73,12 +73,17 @@ def _match_sdpa(node: torch.fx.Node) -> AttentionSite | None:
     return AttentionSite(node, q, k, v, node.kwargs.get("scale"), 0.0, "sdpa")
 
 
+_MUL = (aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar)
+_DIV = (aten.div.Tensor, aten.div.Scalar, aten.div_.Tensor, aten.div_.Scalar)
+
+
 def _peel_scale(x: torch.fx.Node) -> tuple[torch.fx.Node, float | None]:
-    if is_call(x, aten.mul.Tensor, aten.mul.Scalar) and isinstance(x.args[1], (int, float)):
+    """``s * c``, ``c * s``, ``s / c`` (also in place: ``scores /= sqrt(d)``) → (s, scale)."""
+    if is_call(x, *_MUL) and isinstance(x.args[1], (int, float)):
         return x.args[0], float(x.args[1])
-    if is_call(x, aten.mul.Tensor, aten.mul.Scalar) and isinstance(x.args[0], (int, float)):
+    if is_call(x, *_MUL) and isinstance(x.args[0], (int, float)):
         return x.args[1], float(x.args[0])
-    if is_call(x, aten.div.Tensor, aten.div.Scalar) and isinstance(x.args[1], (int, float)):
+    if is_call(x, *_DIV) and isinstance(x.args[1], (int, float)):
         return x.args[0], 1.0 / float(x.args[1])
     return x, None
 
@@ -185,7 +190,8 @@ class AttentionToPaged(Pass):
         sites = find_attention_sites(gm)
         by_module: dict[str, AttentionSite] = {}
         for site in sites:
-            path = module_path_of(site.output) or module_path_of(site.q)
+            path = (module_path_of(site.output, among=info.attention_modules)
+                    or module_path_of(site.q, among=info.attention_modules))
             if path is None:
                 raise PassError(f"attention node {site.output.name} ({site.form}) is not inside a decoder layer's "
                                 "attention module; cannot assign it a KV-cache layer")
@@ -209,6 +215,14 @@ class AttentionToPaged(Pass):
                 if shape is not None and shape[1] != info.num_kv_heads:
                     raise PassError(f"{path}: {name} has {shape[1]} heads after undoing repeat_kv, expected "
                                     f"{info.num_kv_heads} KV heads (unrecognised GQA pattern)")
+            dims = {name: (node_shape(t) or (None,))[-1] for name, t in (("key", k), ("value", v))}
+            wrong = {name: d for name, d in dims.items() if d is not None and d != info.head_dim}
+            if wrong:
+                raise PassError(
+                    f"{path}: {', '.join(f'{n} head_dim {d}' for n, d in wrong.items())} but the paged KV cache "
+                    f"holds head_dim {info.head_dim} (config.head_dim) for both keys and values; attention whose "
+                    "K/V head sizes differ from config.head_dim (e.g. multi-head latent attention) is unsupported"
+                )
             head_dim = node_shape(site.q)[-1]
             scale = site.scale if site.scale is not None else 1.0 / math.sqrt(head_dim)
             window = int(info.sliding_windows.get(path, -1))

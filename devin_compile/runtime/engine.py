@@ -132,7 +132,8 @@ class Engine:
         for item in plan.scheduled:
             item.seq.num_computed += item.num_tokens
         sampled = [plan.scheduled[i].seq for i in owners]
-        tokens = self._sample(logits, sampled)
+        with torch.inference_mode():
+            tokens = self._sample(logits, sampled)
         dt = time.perf_counter() - t0
         self.metrics.steps += 1
         if is_decode:
