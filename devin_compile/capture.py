@@ -12,6 +12,17 @@ forward with ``logits_to_keep=logits_indices``, so model-specific heads (soft-ca
 scaling) stay exactly as Hugging Face wrote them. A construct that cannot be captured
 raises :class:`UnsupportedModelError` naming the module and construct; there is no
 silent fallback to eager.
+
+:func:`model_info` reads the facts the runtime needs structurally, not by model name:
+
+- attention modules: modules whose class name ends in ``Attention`` and that have a
+  ``layer_idx`` (``layers.0.self_attn``, ``h.0.attn``, ``layers.0.attention`` alike);
+  passes find a node's layer through them (:func:`module_path_of` with ``among=``);
+- KV heads: what the attention modules use (``num_key_value_heads`` / ``num_kv_heads`` /
+  ``num_key_value_groups``) when they agree, else the config (Falcon's multi-query
+  attention runs one KV head whatever ``config.num_kv_heads`` says);
+- sliding windows: observed from the masks HF builds in a short probe forward (see
+  :func:`_sliding_windows`), since some families keep the window only in the config.
 """
 from __future__ import annotations
 
@@ -143,6 +154,7 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
 _MISSING = object()
 _PROBE_LEN = 6
 _PROBE_WINDOW = 2
+_PROBE_CHUNK = 3
 
 
 def _attribute_windows(attn: list[tuple[str, torch.nn.Module]]) -> dict[str, int]:
@@ -169,18 +181,28 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
     ``sliding_window`` (Gemma 2/3, Qwen2, Cohere2, ...), others (Mistral, Mixtral, Phi-3,
     Starcoder2) only have ``config.sliding_window`` and apply it through the mask. So we
     observe the mask instead: one short forward (``_PROBE_LEN`` tokens) with the config's
-    window temporarily set to ``_PROBE_WINDOW``, recording each attention module's
+    mask widths temporarily shrunk (``sliding_window`` → ``_PROBE_WINDOW``,
+    ``attention_chunk_size`` → ``_PROBE_CHUNK``), recording each attention module's
     ``attention_mask`` argument. A layer whose mask is the plain causal one (or None, SDPA's
-    is_causal shortcut) is full attention; a layer whose mask is the causal band of width
-    ``_PROBE_WINDOW`` uses ``config.sliding_window``; any other mask (chunked, bidirectional
-    prefix, ...) raises :class:`UnsupportedModelError`. If the probe cannot run or a mask
-    is not a plain [q, kv] tensor, the modules' ``sliding_window`` attributes are used.
+    is_causal shortcut) is full attention, unless the module's own ``sliding_window``
+    attribute names a window too wide for the probe to see; a layer whose mask is the
+    causal band of width ``_PROBE_WINDOW`` uses ``config.sliding_window``; any other mask
+    (chunked attention, bidirectional prefixes, ALiBi biases folded into the mask, ...)
+    raises :class:`UnsupportedModelError`. If the probe cannot run or a mask is not a
+    plain [q, kv] tensor, the modules' ``sliding_window`` attributes are used.
     """
     fallback = _attribute_windows(attn)
     if not attn:
         return fallback
-    window = getattr(text_cfg, "sliding_window", None)
-    has_window = isinstance(window, int) and not isinstance(window, bool) and window > 0
+    def _width(name: str) -> int | None:
+        v = getattr(text_cfg, name, None)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    window = _width("sliding_window")
+    has_window = window is not None
+    shrink = {name: probe for name, probe in (("sliding_window", _PROBE_WINDOW), ("attention_chunk_size", _PROBE_CHUNK))
+              if _width(name) is not None}
+    saved = {name: getattr(text_cfg, name) for name in shrink}
     masks: dict[str, object] = {}
     hooks = []
 
@@ -203,8 +225,8 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
     try:
         for n, m in attn:
             hooks.append(m.register_forward_pre_hook(recorder(n, m), with_kwargs=True))
-        if has_window:
-            text_cfg.sliding_window = _PROBE_WINDOW
+        for name, probe in shrink.items():
+            setattr(text_cfg, name, probe)
         model.eval()
         with torch.no_grad():
             model(input_ids=ids, position_ids=torch.arange(L, device=param.device)[None], use_cache=False)
@@ -213,8 +235,8 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
     finally:
         for h in hooks:
             h.remove()
-        if has_window:
-            text_cfg.sliding_window = window
+        for name, value in saved.items():
+            setattr(text_cfg, name, value)
         model.train(was_training)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     band = causal & ~torch.ones(L, L, dtype=torch.bool).tril(-_PROBE_WINDOW)
@@ -230,13 +252,14 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
             continue
         vis = vis.cpu()
         if torch.equal(vis, causal):
-            out[n] = -1
+            out[n] = fallback[n] if fallback[n] >= L else -1
         elif has_window and torch.equal(vis, band):
             out[n] = int(window)
         else:
             raise UnsupportedModelError(
                 f"{n}: the attention mask {type(model).__name__} builds is neither causal nor a causal "
-                f"sliding window (e.g. chunked or bidirectional attention); the paged runtime serves only those"
+                "sliding window (e.g. chunked or bidirectional attention, or ALiBi biases folded into the "
+                "mask); the paged runtime serves only causal and sliding-window attention"
             )
     return out
 

@@ -82,6 +82,7 @@ class OptimizeConfig:
     verify: bool = False
     dump_dir: str | None = None
     fuse_projections: bool = True
+    prepack_linear: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -329,31 +329,30 @@ def _check_pool(engine: Engine) -> None:
             assert s.block_table == []
 
 
-_add = st.tuples(st.just("add"), st.integers(1, 14), st.integers(1, 12))
-_op = st.one_of(_add, _add, _add, st.tuples(st.just("step")), st.tuples(st.just("step")),
-                st.tuples(st.just("abort"), st.integers(0, 50)))
+# (kind, a, b): kind 0-2 add a prompt of a tokens with b new tokens, 3-4 step, 5 abort request #a
+_op = st.tuples(st.integers(0, 5), st.integers(1, 14), st.integers(1, 12))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_blocks=st.integers(2, 12), block_size=st.sampled_from([2, 4, 8]), max_num_seqs=st.integers(1, 4),
-       max_batched=st.sampled_from([3, 8, 64]), ops=st.lists(_op, min_size=1, max_size=40),
+       max_batched=st.sampled_from([3, 8, 64]), ops=st.lists(_op, min_size=3, max_size=40),
        seed=st.integers(0, 2**16))
 def test_random_traffic_keeps_pool_consistent(opt, num_blocks, block_size, max_num_seqs, max_batched, ops, seed):
     engine = make_engine(opt, num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched)
     pool = num_blocks * block_size
     added: list[str] = []
-    for i, op in enumerate(ops):
-        if op[0] == "add":
-            _, plen, new = op
+    for i, (kind, a, b) in enumerate(ops):
+        if kind <= 2:
+            plen, new = a, b
             params = SamplingParams(max_new_tokens=new, do_sample=bool(i % 2), seed=seed + i)
             if plen + new > pool:
                 with pytest.raises(ValueError, match="KV pool"):
                     engine.add_request(prompt_of(plen, seed + i), params)
             else:
                 added.append(engine.add_request(prompt_of(plen, seed + i), params))
-        elif op[0] == "abort" and added:
-            engine.abort(added[op[1] % len(added)])
-        elif op[0] == "step":
+        elif kind == 5 and added:
+            engine.abort(added[a % len(added)])
+        elif kind in (3, 4):
             engine.step()
         _check_pool(engine)
     for _ in range(1000):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .fuse_projections import FuseProjections
+from .prepack_linear import PrepackLinear
 
 
 def default_passes(config, info) -> list:
@@ -11,8 +12,10 @@ def default_passes(config, info) -> list:
     passes = [AttentionToPaged()]
     if config.fuse_projections:
         passes.append(FuseProjections())
+    if config.prepack_linear:
+        passes.append(PrepackLinear())
     passes.append(Cleanup())
     return passes
 
 
-__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "default_passes"]
+__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "PrepackLinear", "default_passes"]

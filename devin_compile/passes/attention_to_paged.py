@@ -18,6 +18,19 @@ The op writes k/v into the paged cache and attends over each sequence's cached
 tokens using per-step metadata from the runtime context; the mask-building subgraph
 becomes dead and is removed. Invariant: the number of rewrites equals the number of
 attention layers; otherwise the pass fails naming the layers it missed.
+
+Matching details that hold across families:
+
+- export's metadata asserts (``_assert_tensor_metadata`` on the softmax output) are not
+  counted as users when walking softmax → cast → dropout → matmul;
+- the scale may be ``mul``/``div`` by a constant, also in place (Falcon's ``scores /= √d``);
+- the key may be broadcast rather than repeated (multi-query ``q @ kᵀ`` with one KV head);
+- each site is assigned to its layer through ``ModelInfo.attention_modules`` (the
+  innermost enclosing attention module), so layer naming (``h.N.attn``, ``layers.N.attention``)
+  does not matter;
+- K and V head sizes must equal ``ModelInfo.head_dim`` (the paged cache's one head size),
+  else the pass fails (e.g. multi-head latent attention); ALiBi (``baddbmm`` with a
+  bias) and attention sinks (extra logit columns) do not match and fail the invariant.
 """
 from __future__ import annotations
 

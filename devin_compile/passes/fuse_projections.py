@@ -36,6 +36,7 @@ class FuseProjections(Pass):
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         graph = gm.graph
         fused = 0
+        position = {n: i for i, n in enumerate(graph.nodes)}
         for x in list(graph.nodes):
             group = [u for u in x.users if is_call(u, aten.linear.default) and u.args[0] is x]
             group = [u for u in group if _param(gm, u.args[1]) is not None]
@@ -47,7 +48,7 @@ class FuseProjections(Pass):
             weights = [_param(gm, u.args[1]) for u in group]
             if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
                 continue
-            order = sorted(group, key=lambda u: list(graph.nodes).index(u))
+            order = sorted(group, key=position.__getitem__)
             weights = [_param(gm, u.args[1]) for u in order]
             name = f"fused_proj_{fused}"
             gm.register_parameter(f"{name}_weight", torch.nn.Parameter(torch.cat(weights, 0), requires_grad=False))

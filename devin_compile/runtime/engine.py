@@ -224,7 +224,14 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+        except ValueError:
+            for rid in ids:  # an invalid prompt rejects the whole batch: leave nothing queued
+                self.abort(rid)
+            raise
         while any(not self.requests[r].status.done for r in ids):
             self.step()
         return [self._output(self.requests[r], []) for r in ids]

