@@ -44,8 +44,10 @@ def _optimize(model, tok, console, **options):
 
     with console.status("optimizing: capture → passes → engine ..."):
         opt = optimize(model, tokenizer=tok, **options)
+    from rich.markdown import Markdown
+
     console.print(f"optimized in {opt.compile_seconds:.1f} s")
-    console.print(opt.report())
+    console.print(Markdown(opt.report()))
     return opt
 
 
