@@ -79,6 +79,7 @@ class PagedKVCache:
             (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
             dtype=spec.dtype, device=self.device,
         )
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(spec.num_layers)]
 
     @property
     def block_size(self) -> int:
@@ -90,7 +91,7 @@ class PagedKVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of one layer, each [num_blocks, block_size, Hkv, D]."""
-        return self.data[index, 0], self.data[index, 1]
+        return self._layers[index]
 
 
 class BlockAllocator:
