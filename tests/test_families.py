@@ -1,7 +1,8 @@
 """Model families end to end: optimize() on tiny seeded models vs Hugging Face itself.
 
 For every family in ``conftest.FAMILIES`` (2 layers, hidden 64, vocab 256, GQA 4:2 where
-the family has it, random weights from HF's own init under a fixed seed) and each
+the family has it, HF's own init with std 0.1 under a fixed seed, so attention is peaked
+enough for a 1% scale error or a missing soft-cap to move logits by > 1e-2) and each
 attention implementation HF offers for it ("sdpa", "eager"):
 
 1. teacher-forced logits: ``opt(ids).logits`` vs HF eager ``model(ids).logits`` in fp32,
@@ -12,18 +13,26 @@ attention implementation HF offers for it ("sdpa", "eager"):
 2. greedy tokens identical: ``opt.generate([a, b, c], max_new_tokens=[32, 40, 48],
    ignore_eos=True)`` vs HF ``generate(max_new_tokens=n, min_new_tokens=n,
    do_sample=False)`` for each prompt alone (prompts of 5, 19, 37 tokens, so block
-   boundaries at block_size 16 are crossed, and windows of 7-12 tokens slide);
-3. for the core six (llama, mistral, qwen2, qwen3, phi3, gemma) also with
-   ``block_size=4, max_num_batched_tokens=16``, so prompts are prefilled in chunks over
-   cached context and decode mixes with prefill;
+   boundaries at block_size 16 are crossed, and windows of 7-12 tokens slide); HF gets
+   ``eos_token_id=None`` so that, like ``ignore_eos``, EOS stays an ordinary token;
+3. for the core six (llama, mistral, qwen2, qwen3, phi3, gemma; one attention
+   implementation each, alternating) greedy again with ``block_size=4,
+   max_num_batched_tokens=16``, so prompts are prefilled in chunks over cached context
+   and decode steps mix with prefill chunks;
 4. what capture found: per-layer sliding windows and KV heads, and one
-   ``devin::paged_attention`` per layer with no softmax/SDPA left in the graph.
+   ``devin::paged_attention`` per layer with no softmax/SDPA left inside an attention
+   module (MoE routers keep theirs).
 
 Eager-attention models run on ``attention_backend="torch_reference"``; SDPA models on
 the default backend (on CPU: ``cpu_sdpa``, which hands soft-capped calls to the
 reference); the chunked runs swap the two. Families HF or the compiler cannot serve are
 in ``conftest.UNSUPPORTED`` and must fail with a clear ``UnsupportedModelError`` or
-``PassError`` naming the construct, never compile silently.
+``PassError`` naming the construct, never compile silently (ALiBi, attention sinks,
+multi-head latent attention, chunked attention, Falcon's new-architecture GQA layout,
+state-space models; see ``conftest.UNSUPPORTED`` for the reason of each). Families
+for which HF itself has no SDPA path (Gemma 2) run eager only, and a test checks HF
+really refuses SDPA for them. The module takes about 2 minutes on 2 CPU cores, most of
+it in ``torch.export`` (about 2 s per model); compiled models are cached per module.
 """
 from __future__ import annotations
 
@@ -43,7 +52,8 @@ NEW_TOKENS = [32, 40, 48]
 NUM_KV_BLOCKS = 96  # 96 x 16 slots for the default runs, 96 x 4 = 384 slots (>= 3 x 85) at block_size 4
 
 CASES = [(name, impl) for name, fam in FAMILIES.items() for impl in fam.impls]
-CORE = [(name, impl) for name, impl in CASES if FAMILIES[name].core]
+# The chunked run once per core family, alternating the attention implementation.
+CORE = [(name, ("sdpa", "eager")[i % 2]) for i, name in enumerate(n for n, f in FAMILIES.items() if f.core)]
 
 
 def _id(case) -> str:
@@ -166,7 +176,7 @@ def test_greedy_matches_hf(case, compiled, hf_reference):
 def test_greedy_chunked_prefill_block4(case, compiled, hf_reference):
     family, impl = case
     opt = compiled(family, impl, chunked=True)
-    assert opt.engine.runner.block_size == 4
+    assert opt.engine.runner.block_size == 4 and opt.engine.config.max_num_batched_tokens == 16
     _check_greedy(opt, family, hf_reference, f"{family}/{impl} block_size=4, 16-token steps")
 
 
