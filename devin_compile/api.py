@@ -193,12 +193,12 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     """Compile an HF causal LM into a paged-KV engine. Options: see :class:`OptimizeConfig`."""
     config = OptimizeConfig.from_kwargs(options)
     t0 = time.perf_counter()
-    model_info(model)  # fail fast on unsupported models, before any copy
+    info = model_info(model)  # fail fast on unsupported models, before any copy
     if config.dtype is not None and next(model.parameters()).dtype != config.dtype:
         model = copy.deepcopy(model).to(config.dtype)
     if config.device is not None and next(model.parameters()).device != torch.device(config.device):
         model = model.to(config.device)
-    gm, info = capture(model)
+    gm, info = capture(model, info=info)
     if config.scheduler.max_model_len is not None:
         info.max_model_len = config.scheduler.max_model_len
     program = Program({"main": gm})

@@ -274,9 +274,15 @@ def _culprit(exc: BaseException) -> str:
     return f"{fr.filename}:{fr.lineno} in {fr.name}" if fr else "unknown location"
 
 
-def capture(model: torch.nn.Module, *, example_len: int = 8) -> tuple[torch.fx.GraphModule, ModelInfo]:
-    """Export ``model`` over flattened tokens; returns the GraphModule and :class:`ModelInfo`."""
-    info = model_info(model)
+def capture(model: torch.nn.Module, *, example_len: int = 8,
+            info: ModelInfo | None = None) -> tuple[torch.fx.GraphModule, ModelInfo]:
+    """Export ``model`` over flattened tokens; returns the GraphModule and :class:`ModelInfo`
+    (``info`` from an earlier :func:`model_info` call is reused, with dtype/device refreshed)."""
+    if info is None:
+        info = model_info(model)
+    else:
+        param = next(model.parameters())
+        info.dtype, info.device = param.dtype, param.device
     model.eval()
     device = info.device
     T = torch.export.Dim("num_tokens", min=2)
