@@ -34,12 +34,14 @@ class CacheConfig:
 
     ``num_blocks`` wins over ``memory_bytes`` which wins over ``memory_fraction``
     (a fraction of free device memory; on CPU, of available RAM).
+    ``enable_prefix_caching`` shares full KV blocks between requests with a common prefix.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int | None = None
     memory_fraction: float = 0.05
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -50,6 +52,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory={self.memory_bytes!r} must be a positive number of bytes")
         if not (0.0 < float(self.memory_fraction) <= 0.95):
             raise ValueError(f"kv_cache_fraction={self.memory_fraction!r} must be in (0, 0.95]")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
 
 
 @dataclass
@@ -81,6 +85,7 @@ class OptimizeConfig:
     attention_backend: str | None = None  # None: registry picks (env DEVIN_ATTENTION_BACKEND overrides)
     verify: bool = False
     dump_dir: str | None = None
+    fuse_rms_norm: bool = True
     fuse_projections: bool = True
     prepack_linear: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -109,6 +114,7 @@ class OptimizeConfig:
         "num_kv_blocks": ("cache", "num_blocks"),
         "kv_cache_memory": ("cache", "memory_bytes"),
         "kv_cache_fraction": ("cache", "memory_fraction"),
+        "enable_prefix_caching": ("cache", "enable_prefix_caching"),
         "max_num_seqs": ("scheduler", "max_num_seqs"),
         "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
         "max_model_len": ("scheduler", "max_model_len"),

@@ -4,12 +4,15 @@ from __future__ import annotations
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .fuse_projections import FuseProjections
+from .fuse_rms_norm import FuseRMSNorm
 from .prepack_linear import PrepackLinear
 
 
 def default_passes(config, info) -> list:
     """The optimize() pipeline, in order."""
     passes = [AttentionToPaged()]
+    if config.fuse_rms_norm:
+        passes.append(FuseRMSNorm())
     if config.fuse_projections:
         passes.append(FuseProjections())
     if config.prepack_linear:
@@ -18,4 +21,4 @@ def default_passes(config, info) -> list:
     return passes
 
 
-__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "PrepackLinear", "default_passes"]
+__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "FuseRMSNorm", "PrepackLinear", "default_passes"]

@@ -6,6 +6,8 @@ Patterns → replacements:
 - ``x.to(dtype)`` / ``_to_copy(x, dtype=…)`` where x already has that dtype → ``x``
 - ``dropout(x, p, train=False)`` and ``dropout(x, 0, …)`` → ``x``
 - ``transpose(transpose(x, a, b), a, b)`` → ``x``
+- the same pure op on the same inputs computed twice (e.g. HF's per-layer
+  ``cos.unsqueeze(1)``) → computed once (torch.fx's CSEPass)
 
 Invariant: values are bit-identical before and after (only no-ops are removed).
 """
@@ -15,7 +17,7 @@ import torch
 import torch.fx
 
 from ..graph_utils import fake_value, is_call
-from ..pipeline import Pass, PassContext, PassResult
+from ..pipeline import Pass, PassContext, PassResult, Program
 from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
@@ -61,7 +63,18 @@ def remove_noops(graph: torch.fx.Graph) -> int:
 class Cleanup(Pass):
     name = "cleanup"
 
-    def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        folded = remove_noops(gm.graph)
-        removed = eliminate_dead_code(gm)
-        return PassResult(matches=folded, note=f"{folded} no-ops bypassed, {removed} nodes removed")
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
+        from torch.fx.passes.dialect.common.cse_pass import CSEPass
+
+        folded = removed = 0
+        for gm in program.graphs.values():
+            folded += remove_noops(gm.graph)
+            removed += eliminate_dead_code(gm)
+            before = len(gm.graph.nodes)
+            result = CSEPass()(gm)
+            if result.modified:  # adopt the deduplicated graph, keeping gm's pytree codegen
+                new_graph = result.graph_module.graph
+                new_graph._codegen = gm.graph._codegen
+                gm.graph = new_graph
+                removed += before - len(gm.graph.nodes) + eliminate_dead_code(gm)
+        return PassResult(matches=folded, note=f"{folded} no-ops bypassed, {removed} nodes removed (incl. CSE)")

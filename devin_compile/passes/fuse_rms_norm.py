@@ -1,0 +1,80 @@
+"""fuse_rms_norm: Hugging Face's RMSNorm op chain → one ``aten.rms_norm`` call.
+
+Pattern (Llama-style ``RMSNorm.forward``, as torch.export records it)::
+
+    h = x.to(float32)                         # optional (absent when x is float32)
+    y = w * (h * rsqrt(mean(h ** 2, -1, keepdim=True) + eps)).to(x.dtype)
+
+→ ``rms_norm(x, [D], w, eps)``, D = the normalized (last) dimension.
+
+Eight dispatched ops become one, which on CPU runs the same math inside C++ with float32
+accumulation. Invariant: identical in float32; in bf16/fp16 the weight multiply happens
+before the final rounding instead of after it (one rounding instead of two). Norms of
+other shapes (Gemma's ``1 + w``, LayerNorm) do not match and are left alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..graph_utils import add_call, fake_value, is_call
+from ..pipeline import Pass, PassContext, PassResult
+from .dead_code import eliminate_dead_code
+
+aten = torch.ops.aten
+_CAST = (aten.to.dtype, aten._to_copy.default)
+
+
+def _strip_cast(n):
+    return n.args[0] if is_call(n, *_CAST) else n
+
+
+def _match(mul_w: torch.fx.Node):
+    """mul(w, normed) or mul(normed, w) → (x, w, eps) or None."""
+    if not is_call(mul_w, aten.mul.Tensor):
+        return None
+    for w, normed in (mul_w.args, mul_w.args[::-1]):
+        if not (isinstance(w, torch.fx.Node) and w.op == "get_attr"):
+            continue
+        n = _strip_cast(normed)
+        if not is_call(n, aten.mul.Tensor):
+            continue
+        h, r = n.args
+        if not is_call(r, aten.rsqrt.default):
+            h, r = r, h
+        if not is_call(r, aten.rsqrt.default) or not is_call(r.args[0], aten.add.Tensor):
+            continue
+        m, eps = r.args[0].args
+        if not (is_call(m, aten.mean.dim) and isinstance(eps, float) and list(m.args[1]) in ([-1], [fake_value(h).dim() - 1])):
+            continue
+        p = m.args[0]
+        if not (is_call(p, aten.pow.Tensor_Scalar) and p.args[0] is h and p.args[1] == 2):
+            continue
+        x = _strip_cast(h)
+        wv, xv = fake_value(w), fake_value(x)
+        if wv is None or xv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1]:
+            continue
+        return x, w, eps
+    return None
+
+
+class FuseRMSNorm(Pass):
+    name = "fuse_rms_norm"
+
+    def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        count = 0
+        for node in list(graph.nodes):
+            m = _match(node)
+            if m is None:
+                continue
+            x, w, eps = m
+            out_dtype = fake_value(node).dtype
+            with graph.inserting_before(node):
+                y = add_call(graph, aten.rms_norm.default, (x, [fake_value(x).shape[-1]], w, eps), like=node)
+                if fake_value(y).dtype != out_dtype:
+                    y = add_call(graph, aten.to.dtype, (y, out_dtype), like=node)
+            node.replace_all_uses_with(y)
+            count += 1
+        removed = eliminate_dead_code(gm)
+        return PassResult(matches=count, note=f"{count} RMSNorms fused; {removed} nodes removed")
