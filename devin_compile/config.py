@@ -86,6 +86,7 @@ class OptimizeConfig:
     verify: bool = False
     dump_dir: str | None = None
     fuse_rms_norm: bool = True
+    fuse_rotary: bool = True
     fuse_projections: bool = True
     prepack_linear: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)

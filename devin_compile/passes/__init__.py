@@ -5,6 +5,7 @@ from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
+from .fuse_rotary import FuseRotary
 from .prepack_linear import PrepackLinear
 
 
@@ -13,6 +14,8 @@ def default_passes(config, info) -> list:
     passes = [AttentionToPaged()]
     if config.fuse_rms_norm:
         passes.append(FuseRMSNorm())
+    if config.fuse_rotary:
+        passes.append(FuseRotary())
     if config.fuse_projections:
         passes.append(FuseProjections())
     if config.prepack_linear:
@@ -21,4 +24,4 @@ def default_passes(config, info) -> list:
     return passes
 
 
-__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "FuseRMSNorm", "PrepackLinear", "default_passes"]
+__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "FuseRMSNorm", "FuseRotary", "PrepackLinear", "default_passes"]
