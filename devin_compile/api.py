@@ -212,6 +212,6 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     backend = select_attention_backend(info.device, config.attention_backend)
     runner = ModelRunner(program, cache, vocab_size=info.vocab_size, backend=backend, device=info.device)
     engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
-                    tokenizer=tokenizer)
+                    tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching)
     return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
                           hf_config=getattr(model, "config", None))

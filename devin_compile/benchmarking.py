@@ -54,6 +54,7 @@ def time_devin_decode(opt, prompt_ids: list[int], new_tokens: int, repeats: int 
     engine.generate([prompt_ids], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
     rates, ttfts, tokens = [], [], []
     for _ in range(repeats):
+        engine.reset_prefix_cache()  # every repeat prefills cold, like HF's
         out = engine.generate([prompt_ids], params)[0]
         m = out.metrics
         ttfts.append(m.ttft)

@@ -5,6 +5,11 @@ the ModelRunner, samples, appends tokens, and finishes requests on EOS / stop to
 ``max_new_tokens``. ``generate`` drives steps until a batch is done; ``stream`` yields
 one request's tokens as they appear. A request that fails (an invalid prompt, a
 logits-processor error, a pool it can never fit in) fails alone: the others go on.
+
+With ``enable_prefix_caching`` (the default) full KV blocks are shared between requests
+with a common prefix (see :mod:`~devin_compile.runtime.prefix_cache`); after every step
+the scheduler registers the blocks the step completed. ``debug_checks=True`` asserts
+before every step that no slot it writes lies in a shared or registered block.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 from ..config import SchedulerConfig
 from .kv_cache import BlockAllocator
 from .model_runner import ModelRunner
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -56,13 +62,16 @@ class EngineMetrics:
 
 class Engine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, *, max_model_len: int,
-                 eos_token_ids: Seq[int] = (), tokenizer=None) -> None:
+                 eos_token_ids: Seq[int] = (), tokenizer=None, enable_prefix_caching: bool = True,
+                 debug_checks: bool = False) -> None:
         self.runner = runner
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
-        self.allocator = BlockAllocator(runner.kv_cache.num_blocks)
+        self.debug_checks = debug_checks
+        self.prefix_cache = PrefixCache(runner.block_size) if enable_prefix_caching else None
+        self.allocator = BlockAllocator(runner.kv_cache.num_blocks, self.prefix_cache)
         self.scheduler = Scheduler(config, self.allocator, runner.block_size)
         self.requests: dict[str, Sequence] = {}
         self.metrics = EngineMetrics()
@@ -127,10 +136,13 @@ class Engine:
             if item.seq.metrics.first_scheduled is None:
                 item.seq.metrics.first_scheduled = now
         is_decode = all(item.num_tokens == 1 for item in plan.scheduled)
+        if self.debug_checks:
+            self.scheduler.check_writes(plan)
         t0 = time.perf_counter()
         logits, owners = self.runner.execute(plan.scheduled)
         for item in plan.scheduled:
             item.seq.num_computed += item.num_tokens
+            self.scheduler.commit(item.seq)
         sampled = [plan.scheduled[i].seq for i in owners]
         with torch.inference_mode():
             tokens = self._sample(logits, sampled)
@@ -250,12 +262,43 @@ class Engine:
                 return
             self.step()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (e.g. so a benchmark repeat prefills cold);
+        returns how many were dropped. Blocks held by running requests stay registered."""
+        return self.allocator.evict_cached()
+
     def kv_stats(self) -> dict:
+        """Pool occupancy and prefix-cache counters.
+
+        ``blocks_free`` includes ``blocks_cached_free`` (cached, unreferenced, evictable);
+        ``blocks_cached`` counts every registered block, referenced or not.
+        """
         a = self.allocator
-        live = sum(s.num_computed for s in self.scheduler.running)
-        slots = a.num_used * self.runner.block_size
-        return {
+        bs = self.runner.block_size
+        filled: dict[int, int] = {}  # block → slots holding live tokens (a shared block counts once)
+        for s in self.scheduler.running:
+            for j, b in enumerate(s.block_table):
+                n = min(bs, s.num_computed - j * bs)
+                if n > filled.get(b, 0):
+                    filled[b] = n
+        slots = a.num_used * bs
+        stats = {
             "blocks_total": a.num_blocks, "blocks_used": a.num_used, "blocks_free": a.num_free,
+            "blocks_used_peak": a.peak_used,
             "bytes_per_token": self.runner.kv_cache.spec.bytes_per_token,
-            "live_slot_fraction": (live / slots) if slots else 1.0,
+            "live_slot_fraction": (sum(filled.values()) / slots) if slots else 1.0,
+            "prefix_caching": self.prefix_cache is not None,
+            "blocks_cached": 0, "blocks_cached_free": 0,
+            "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0,
+            "prefix_evictions": 0, "prefix_rejected": 0, "prefix_deduplicated": 0,
         }
+        if self.prefix_cache is not None:
+            ps = self.prefix_cache.stats
+            stats.update({
+                "blocks_cached": len(self.prefix_cache), "blocks_cached_free": a.num_cached_free,
+                "prefix_query_tokens": ps.query_tokens, "prefix_hit_tokens": ps.hit_tokens,
+                "prefix_hit_rate": (ps.hit_tokens / ps.query_tokens) if ps.query_tokens else 0.0,
+                "prefix_evictions": ps.evictions, "prefix_rejected": ps.rejected,
+                "prefix_deduplicated": ps.deduplicated,
+            })
+        return stats

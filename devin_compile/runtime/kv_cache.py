@@ -7,14 +7,20 @@ layer ``l``'s key cache is ``data[l, 0]`` and value cache ``data[l, 1]``, each
 
 Invariants kept by :class:`BlockAllocator`: every block is either free or owned
 (reference count >= 1); ``num_free + num_used == num_blocks``; freeing a block that
-is not owned is an error.
+is not owned is an error. With a :class:`~devin_compile.runtime.prefix_cache.PrefixCache`,
+a free block may still be *cached* (registered, content valid): it counts as free, can be
+revived by a prefix hit, and is evicted, least recently used first, only once no uncached
+free block is left.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
+
+from .prefix_cache import PrefixCache
 
 
 class KVCacheExhaustedError(RuntimeError):
@@ -95,20 +101,35 @@ class PagedKVCache:
 
 
 class BlockAllocator:
-    """Free list with reference counts; O(1) allocate and free."""
+    """Free list with reference counts; O(1) allocate, free and revive.
 
-    def __init__(self, num_blocks: int) -> None:
+    The free list is one ordered dict of block ids: uncached free blocks at the front,
+    cached free blocks behind them in the order they were freed (least recently used
+    first). :meth:`allocate` pops from the front, so it takes uncached blocks first and
+    then evicts the least recently used cached block (dropping its index entry).
+    """
+
+    def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None = None) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_cache = prefix_cache
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_count = [0] * num_blocks
+        self._cached_free = 0
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
+        """Blocks with no owner, cached ones included (they are reusable)."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks whose content is still registered in the prefix cache (evictable)."""
+        return self._cached_free
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -119,15 +140,64 @@ class BlockAllocator:
                 f"KV cache exhausted: need {n} more blocks, {len(self._free)} of {self.num_blocks} free. "
                 "Raise kv_cache_memory / num_kv_blocks, or lower max_num_seqs / max_new_tokens."
             )
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            if self._cached_free and b in self.prefix_cache:  # no uncached block left: evict the LRU one
+                self.prefix_cache.evict(b)
+                self._cached_free -= 1
             self.ref_count[b] = 1
+            out.append(b)
+        self._note_used()
         return out
 
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
+    def acquire(self, block: int) -> None:
+        """One more owner for ``block``: a prefix hit (or a duplicate folded onto it); revives a free one."""
+        if self.ref_count[block] == 0:
+            if self.prefix_cache is None or block not in self.prefix_cache:
+                raise RuntimeError(f"block {block} is free and not cached: nothing to share")
+            del self._free[block]
+            self._cached_free -= 1
+            self._note_used()
+        self.ref_count[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block; a block table is freed tail first, so a cached
+        chain's head stays cached longer than its tail (it is the part others share)."""
+        cache = self.prefix_cache
+        for b in reversed(list(blocks)):
             if self.ref_count[b] <= 0:
                 raise RuntimeError(f"block {b} freed while not owned (double free)")
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+                if cache is not None and b in cache:
+                    self._cached_free += 1  # most recently used end
+                else:
+                    self._free.move_to_end(b, last=False)  # reused first
+
+    def is_free(self, block: int) -> bool:
+        return self.ref_count[block] == 0
+
+    def evict_cached(self) -> int:
+        """Drop every cached free block from the prefix cache (e.g. between benchmark runs)."""
+        if self.prefix_cache is None:
+            return 0
+        dropped = [b for b in self._free if b in self.prefix_cache]
+        for b in dropped:
+            self.prefix_cache.evict(b)
+            self._free.move_to_end(b, last=False)
+        self._cached_free = 0
+        return len(dropped)
+
+    def check_writable(self, block: int) -> None:
+        """Assert that ``block`` may be written: one owner and not a registered (shared) block."""
+        registered = self.prefix_cache is not None and block in self.prefix_cache
+        if self.ref_count[block] != 1 or registered:
+            where = ", registered in the prefix cache" if registered else ""
+            raise AssertionError(f"a step writes block {block} (ref_count {self.ref_count[block]}{where})")
+
+    def _note_used(self) -> None:
+        used = self.num_blocks - len(self._free)
+        if used > self.peak_used:
+            self.peak_used = used

@@ -13,6 +13,16 @@ When a running sequence needs a block and none is free, the newest running seque
 is preempted: its blocks are freed and it returns to the front of the queue, to be
 recomputed later from its prompt and the tokens it already produced (so it finishes
 with the same output). A sequence that cannot fit even alone fails with a clear error.
+
+Prefix caching (when the allocator has a :class:`PrefixCache`): a waiting sequence is
+admitted with the longest trusted run of cached full blocks of its known tokens (prompt
+plus, after a preemption, its output so far), at most ``(num_tokens - 1) // block_size``
+blocks so that at least one token is computed and the step yields logits. Those blocks
+are shared (reference count + 1) and count as computed; ``metrics.prefix_hit_tokens``
+sums them over the request's admissions (a preempted request that hits again counts
+again). After each step :meth:`Scheduler.commit` registers the blocks that became full;
+a block computed twice (identical prompts admitted together) is folded onto the
+registered copy.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
 from .kv_cache import BlockAllocator
+from .prefix_cache import ROOT, PrefixChain
 from .sequence import Sequence, Status
 
 
@@ -48,11 +59,15 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_cache = allocator.prefix_cache
+        self._chains: dict[str, PrefixChain] = {}  # request id → its walk along the prefix cache
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        if self.prefix_cache is not None:
+            self._chains[seq.request_id] = PrefixChain()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,9 +78,16 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._free_blocks(seq)
+        self._chains.pop(seq.request_id, None)
+
+    def _free_blocks(self, seq: Sequence) -> None:
         if seq.block_table:
             self.allocator.free(seq.block_table)
             seq.block_table = []
+        chain = self._chains.get(seq.request_id)
+        if chain is not None:
+            chain.reset()
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -82,8 +104,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._free_blocks(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.metrics.preemptions += 1
@@ -107,8 +128,7 @@ class Scheduler:
                     plan.failed.append((seq, self._too_big(seq.num_computed + n)))
                     self.running.remove(seq)
                     # free its blocks now, so the waiting loop below can admit the next request
-                    self.allocator.free(seq.block_table)
-                    seq.block_table = []
+                    self._free_blocks(seq)
                     break
                 self._preempt(victim, plan)
                 if victim is seq:
@@ -119,19 +139,85 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            hits, entries = self._match(seq)
+            hit_tokens = len(hits) * self.block_size
+            n = min(seq.num_tokens - hit_tokens, budget)
+            need = self.blocks_needed(hit_tokens + n) - len(hits)
+            revive = sum(1 for b in hits if self.allocator.is_free(b))  # cached free blocks taken back
+            if not self.allocator.can_allocate(need + revive):
                 if not self.running and not plan.scheduled:
                     self.waiting.popleft()
-                    plan.failed.append((seq, self._too_big(seq.num_computed + n)))
+                    plan.failed.append((seq, self._too_big(hit_tokens + n)))
                     continue
                 break
+            if hits:
+                for b in hits:  # take the hits before allocating, so allocation cannot evict them
+                    self.allocator.acquire(b)
+                seq.block_table = list(hits)
+                seq.num_computed = hit_tokens
+                seq.metrics.prefix_hit_tokens += hit_tokens
+                self._chains[seq.request_id].entries = entries
+            if self.prefix_cache is not None:
+                self.prefix_cache.stats.query_tokens += seq.num_tokens
+                self.prefix_cache.stats.hit_tokens += hit_tokens
+            seq.block_table.extend(self.allocator.allocate(need))
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return plan
+
+    # -- prefix caching -----------------------------------------------------
+    def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their entry ids) a waiting ``seq`` can start from; none without a cache."""
+        if self.prefix_cache is None:
+            return [], []
+        max_blocks = (seq.num_tokens - 1) // self.block_size  # leave >= 1 token to compute
+        if max_blocks <= 0:
+            return [], []
+        return self.prefix_cache.match(self._chains[seq.request_id], seq.all_ids, max_blocks)
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step computed ``seq``'s tokens: register its blocks that just became full."""
+        cache = self.prefix_cache
+        if cache is None or seq.status.done:
+            return
+        chain = self._chains.get(seq.request_id)
+        bs = self.block_size
+        full = seq.num_computed // bs
+        if chain is None or chain.broken or full <= len(chain.entries):
+            return
+        tokens = seq.all_ids
+        cache.hash_blocks(chain, tokens, full)
+        table = seq.block_table
+        for j in range(len(chain.entries), full):
+            parent = chain.entries[-1] if chain.entries else ROOT
+            block_tokens = tokens[j * bs:(j + 1) * bs]
+            h = chain.hashes[j]
+            e = cache.get(h)
+            if e is None:
+                e = cache.insert(table[j], h, parent, block_tokens)
+            elif cache.trusted(e, parent, block_tokens):
+                if e.block != table[j]:  # computed twice (admitted together): share the registered copy
+                    self.allocator.acquire(e.block)
+                    self.allocator.free([table[j]])
+                    table[j] = e.block
+                    cache.stats.deduplicated += 1
+            else:  # the hash is taken by other content: this chain cannot be registered further
+                cache.stats.rejected += 1
+                chain.broken = True
+                return
+            chain.entries.append(e.id)
+
+    def check_writes(self, plan: StepPlan) -> None:
+        """Debug hook: assert that no slot this step writes lies in a shared or registered block."""
+        bs = self.block_size
+        for item in plan.scheduled:
+            seq = item.seq
+            first, last = seq.num_computed // bs, (seq.num_computed + item.num_tokens - 1) // bs
+            for j in range(first, last + 1):
+                self.allocator.check_writable(seq.block_table[j])
 
     def _too_big(self, num_tokens: int) -> str:
         return (f"KV cache exhausted: this request needs {self.blocks_needed(num_tokens)} blocks of "
