@@ -6,6 +6,8 @@ Patterns → replacements:
 - ``x.to(dtype)`` / ``_to_copy(x, dtype=…)`` where x already has that dtype → ``x``
 - ``dropout(x, p, train=False)`` and ``dropout(x, 0, …)`` → ``x``
 - ``transpose(transpose(x, a, b), a, b)`` → ``x``
+- ``get_attr`` of a nested parameter (``self.m.model.layers[3].mlp...``) → a flat attribute of
+  the graph module (one lookup per read instead of one per path component)
 - the same pure op on the same inputs computed twice (e.g. HF's per-layer
   ``cos.unsqueeze(1)``) → computed once (torch.fx's CSEPass)
 
@@ -49,6 +51,27 @@ def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def flatten_attributes(gm: torch.fx.GraphModule) -> int:
+    """Re-home every nested parameter/buffer a ``get_attr`` reads as a top-level attribute."""
+    moved = 0
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or "." not in node.target:
+            continue
+        owner_path, _, attr = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path)
+        flat = "w_" + node.target.replace(".", "_")
+        if not hasattr(gm, flat):
+            if attr in owner._parameters:
+                gm.register_parameter(flat, owner._parameters[attr])
+            elif attr in owner._buffers:
+                gm.register_buffer(flat, owner._buffers[attr], persistent=False)
+            else:
+                continue
+        node.target = flat
+        moved += 1
+    return moved
+
+
 def remove_noops(graph: torch.fx.Graph) -> int:
     """Bypass every no-op node in ``graph`` (left for DCE to remove); returns how many."""
     count = 0
@@ -67,14 +90,21 @@ class Cleanup(Pass):
         from torch.fx.passes.dialect.common.cse_pass import CSEPass
 
         folded = removed = 0
-        for gm in program.graphs.values():
+        notes = []
+        for phase, gm in program.graphs.items():
+            flatten_attributes(gm)
             folded += remove_noops(gm.graph)
             removed += eliminate_dead_code(gm)
             before = len(gm.graph.nodes)
-            result = CSEPass()(gm)
+            try:
+                result = CSEPass()(gm)
+            except TypeError as e:  # CSEPass hashes constant args; Dynamo graphs can hold slice objects
+                notes.append(f"CSE skipped on {phase}: {e}")
+                continue
             if result.modified:  # adopt the deduplicated graph, keeping gm's pytree codegen
                 new_graph = result.graph_module.graph
                 new_graph._codegen = gm.graph._codegen
                 gm.graph = new_graph
                 removed += before - len(gm.graph.nodes) + eliminate_dead_code(gm)
-        return PassResult(matches=folded, note=f"{folded} no-ops bypassed, {removed} nodes removed (incl. CSE)")
+        note = f"{folded} no-ops bypassed, {removed} nodes removed (incl. CSE)"
+        return PassResult(matches=folded, note="; ".join([note, *notes]))
