@@ -24,14 +24,6 @@ BLOCK = 4
 NUM_BLOCKS = 6  # 24 KV slots: less than the 32-token context, so the pool bound bites first
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls gain nothing from threads, and OpenMP barriers on a busy 2-core box cost ms each."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def llama_config(**kw) -> LlamaConfig:
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

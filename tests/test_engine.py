@@ -51,14 +51,6 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls gain nothing from threads, and OpenMP barriers on a busy 2-core box cost ms each."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def model():

@@ -27,14 +27,6 @@ aten = torch.ops.aten
 NUM_LAYERS = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls gain nothing from threads, and OpenMP barriers on a busy 2-core box cost ms each."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)

@@ -34,13 +34,6 @@ VOCAB = 256
 BS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 # ----------------------------------------------------------------------------------------
 # Hash: documented encoding, fixed values
