@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p):
         p.add_argument("--model", default=None, help="local HF model folder or .gguf file (default: embedded SmolLM2)")
-        p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
+        p.add_argument("--dtype", default="float32",
+                       help="float32 | bfloat16 | float16 (default float32, where greedy output equals HF's exactly)")
         p.add_argument("--attention-backend", default=None, help="override the attention backend")
 
     run = sub.add_parser("run", help="optimize a model, answer prompts, compare decode speed with HF eager")
