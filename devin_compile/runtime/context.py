@@ -71,10 +71,8 @@ class AttentionMetadata:
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
         width = max((len(bt) for bt in block_tables), default=1) or 1
-        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
-        for i, bt in enumerate(block_tables):
-            if bt:
-                table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+        table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
+        table = table.view(len(block_tables), width)
         qsl = [0]
         for n in query_lens:
             qsl.append(qsl[-1] + n)
