@@ -117,16 +117,23 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=["hf_cb", "hf_padded"])
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
+                    help="'both' also runs devin-compile with prefix caching off (row devin_nocache)")
     args = ap.parse_args()
 
     dtype = parse_dtype(args.dtype)
     model, tok = load_model(None, dtype)
     work = load_workload(args.workload, tok)
     prompt_tokens = sum(len(p) for p, _ in work)
-    opt = devin_compile.optimize(model, tokenizer=tok, max_num_seqs=args.max_num_seqs,
-                                 max_num_batched_tokens=args.max_num_batched_tokens)
-    run_devin(opt, work[:4])  # warm-up
-    results = {"devin": run_devin(opt, work)}
+    results = {}
+    for label, caching in (("devin", True), ("devin_nocache", False)):
+        if args.prefix_caching == ("off" if caching else "on"):
+            continue
+        opt = devin_compile.optimize(model, tokenizer=tok, max_num_seqs=args.max_num_seqs,
+                                     max_num_batched_tokens=args.max_num_batched_tokens,
+                                     enable_prefix_caching=caching)
+        run_devin(opt, work[:4])  # warm-up
+        results[label] = run_devin(opt, work)
     for peer in args.peers:
         fn = {"hf_cb": run_hf_cb, "hf_padded": run_hf_padded}[peer]
         try:
@@ -150,11 +157,17 @@ def main() -> None:
         p50 = f"{row['ttft_p50_ms']:12.0f}" if row["ttft_p50_ms"] is not None else f"{'-':>12}"
         p99 = f"{row['ttft_p99_ms']:12.0f}" if row["ttft_p99_ms"] is not None else f"{'-':>12}"
         print(f"{label:12} {row['gen_tok_s']:10.1f} {row['prompt_tok_s']:13.1f} {p50} {p99} {row['wall_s']:8.1f}")
-    for peer in args.peers:
-        if "gen_tok_s" in table.get(peer, {}):
-            print(f"devin-compile / {peer}: {table['devin']['gen_tok_s'] / table[peer]['gen_tok_s']:.2f}x generated tokens/s")
-    print("KV:", {k: v for k, v in results["devin"]["kv"].items() if k in
-                  ("blocks_total", "blocks_used_peak", "bytes_per_token", "prefix_hit_tokens")})
+    ours = "devin" if "devin" in table else "devin_nocache"
+    for peer in [*args.peers, "devin_nocache"]:
+        if peer != ours and "gen_tok_s" in table.get(peer, {}):
+            print(f"{ours} / {peer}: {table[ours]['gen_tok_s'] / table[peer]['gen_tok_s']:.2f}x generated tokens/s")
+    for label in ("devin", "devin_nocache"):
+        if label in results:
+            kv = results[label]["kv"]
+            table[label]["kv"] = {k: kv[k] for k in ("blocks_total", "blocks_used_peak", "bytes_per_token",
+                                                     "prefix_hit_tokens", "live_slot_fraction")}
+            table[label]["ttft_mean_ms"] = 1e3 * statistics.mean(results[label]["ttft"])
+            print(f"{label} KV: {table[label]['kv']}, mean TTFT {table[label]['ttft_mean_ms']:.0f} ms")
     out = os.path.join(HERE, "results", f"throughput-{name}-{args.dtype}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
