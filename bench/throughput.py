@@ -81,7 +81,9 @@ def run_hf_padded(model, work, batch: int = 8) -> dict:
                 mask[r, width - len(p):] = 1
             n = max(m for _, m in chunk)
             b0 = time.perf_counter()
-            model.generate(ids, attention_mask=mask, generation_config=_no_eos_config(model, n))
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=pad)
+            assert out.shape[1] == width + n, "HF stopped early; the comparison would be unfair"
             ttft.extend([b0 - t0] * len(chunk))  # lower bound: tokens of a batch appear after its prefill
             generated += sum(m for _, m in chunk)  # useful tokens only (each request's own max_new_tokens)
     return {"wall_s": time.perf_counter() - t0, "generated": generated, "ttft": ttft}

@@ -27,7 +27,10 @@ class DecodeTiming:
 def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int = 3) -> DecodeTiming:
     """HF eager ``generate`` (greedy, exactly ``new_tokens``, EOS ignored), batch 1."""
     ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
-    kw = dict(do_sample=False, pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+    # EOS ignored the way devin-compile's ignore_eos does it: eos_token_id=None makes EOS an
+    # ordinary token (min_new_tokens alone would forbid it and so change the greedy picks).
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=pad)
     rates, ttfts, out = [], [], None
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
@@ -40,6 +43,8 @@ def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int =
             total = time.perf_counter() - t0
             ttfts.append(ttft)
             rates.append((new_tokens - 1) / max(total - ttft, 1e-9))
+    if out.shape[1] - len(prompt_ids) != new_tokens:
+        raise RuntimeError(f"HF generated {out.shape[1] - len(prompt_ids)} tokens, expected {new_tokens}")
     return DecodeTiming("HF eager", statistics.median(rates), statistics.median(ttfts),
                         out[0, len(prompt_ids):].tolist())
 
