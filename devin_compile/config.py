@@ -89,6 +89,10 @@ class OptimizeConfig:
     fuse_rotary: bool = True
     fuse_projections: bool = True
     prepack_linear: bool = True
+    split_phases: bool = True
+    # Decode batch sizes the decode graph is specialised for; static-shape decode callables
+    # (CUDA Graphs, ahead-compiled CPU decode) exist per bucket, batches pad up to one.
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -106,6 +110,12 @@ class OptimizeConfig:
                 raise ValueError(
                     f"attention_backend={self.attention_backend!r} is unknown; valid: {backend_names()}"
                 )
+        buckets = self.decode_buckets
+        if (not isinstance(buckets, (list, tuple)) or not buckets
+                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):
+            raise ValueError(f"decode_buckets={buckets!r} must be a non-empty list of positive integers, "
+                             "e.g. (1, 2, 4, 8, 16, 32, 64, 128)")
+        self.decode_buckets = tuple(sorted(set(buckets)))
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
 

@@ -35,6 +35,11 @@ class Program:
     """The graphs being compiled, by phase name."""
 
     graphs: dict[str, torch.fx.GraphModule]
+    # Decode batch sizes the decode graph is specialised for (set by split_phases).
+    decode_buckets: tuple[int, ...] = ()
+    # Static-shape decode callables by bucket (set by a pass that compiles or captures them);
+    # when present, the runtime pads decode batches up to their bucket and calls these.
+    decode_callables: dict[int, Callable] = field(default_factory=dict)
 
     def node_count(self) -> int:
         return sum(count_nodes(g) for g in self.graphs.values())

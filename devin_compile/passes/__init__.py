@@ -7,6 +7,7 @@ from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
 from .prepack_linear import PrepackLinear
+from .split_phases import SplitPhases
 
 
 def default_passes(config, info) -> list:
@@ -20,8 +21,10 @@ def default_passes(config, info) -> list:
         passes.append(FuseProjections())
     if config.prepack_linear:
         passes.append(PrepackLinear())
+    if config.split_phases:
+        passes.append(SplitPhases(config.decode_buckets))
     passes.append(Cleanup())
     return passes
 
 
-__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "FuseRMSNorm", "FuseRotary", "PrepackLinear", "default_passes"]
+__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "FuseRMSNorm", "FuseRotary", "PrepackLinear", "SplitPhases", "default_passes"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.registry import AttentionBackend, select_attention_backend
+from ..passes.split_phases import decode_bucket
 from ..pipeline import Program
 from .context import AttentionMetadata, StepContext, step_context
 from .kv_cache import PagedKVCache
@@ -25,28 +26,52 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.backend = backend or select_attention_backend(self.device)
+        # Pad pure-decode batches up to their bucket: needed by static-shape decode callables
+        # (on by default when the program has them; tests turn it on to check padding alone).
+        self.pad_decode = bool(program.decode_callables)
 
     @property
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
-    def graph_for(self, meta: AttentionMetadata) -> torch.fx.GraphModule:
-        """The phase graph for this step: ``decode`` for pure-decode steps when split, else ``prefill``/``main``."""
+    def graph_for(self, decode: bool, num_seqs: int):
+        """The callable for this step: for decode steps (when split) the bucket's static decode
+        callable or else the ``decode`` graph; otherwise the ``prefill`` (or unsplit ``main``) graph."""
         g = self.program.graphs
-        if meta.is_pure_decode and "decode" in g:
-            return g["decode"]
+        if decode and "decode" in g:
+            return self.program.decode_callables.get(num_seqs, g["decode"])
         return g.get("prefill") or g["main"]
+
+    @staticmethod
+    def is_decode_step(query_lens: list[int], logits_indices: list[int]) -> bool:
+        """One token per sequence and every one of them needs logits (what the decode graph computes)."""
+        return max(query_lens) == 1 and logits_indices == list(range(len(query_lens)))
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
             seq_lens: list[int], block_tables: list[list[int]], logits_indices: list[int]) -> torch.Tensor:
         """One forward over packed tokens; returns float logits [len(logits_indices), vocab]."""
+        n_real = len(query_lens)
+        decode = self.is_decode_step(query_lens, logits_indices)
+        if decode and self.pad_decode and "decode" in self.program.graphs:
+            bucket = decode_bucket(n_real, self.program.decode_buckets)
+            if bucket is not None and bucket > n_real:  # above the largest bucket: run unpadded
+                pad = bucket - n_real
+                # Dummy sequences: token 0 at position 0, slot -1 (no KV write), reading one
+                # slot of block 0 (read-only); their logits rows are dropped below.
+                input_ids = input_ids + [0] * pad
+                positions = positions + [0] * pad
+                slots = slots + [-1] * pad
+                query_lens = query_lens + [1] * pad
+                seq_lens = seq_lens + [1] * pad
+                block_tables = block_tables + [[0]] * pad
+                logits_indices = list(range(bucket))
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slots, device=self.device)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         with torch.inference_mode(), step_context(StepContext(meta, self.kv_cache, self.backend)):
-            logits = self.graph_for(meta)(ids, pos, idx)
-        return logits[0]
+            logits = self.graph_for(decode, meta.num_seqs)(ids, pos, idx)
+        return logits[0, :n_real] if decode else logits[0]
 
     def execute(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """Run a scheduled step. Returns (logits, row → index into ``batch``) for the
