@@ -10,12 +10,14 @@ from .capture import UnsupportedModelError
 from .config import OptimizeConfig
 from .pipeline import PassError
 from .runtime.engine import Engine, RequestError
+from .config import KVPruneConfig
 from .runtime.kv_cache import KVCacheExhaustedError
+from .runtime.kv_prune import enable_kv_pruning
 from .runtime.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "optimize", "OptimizedModel", "OptimizeConfig", "SamplingParams", "Engine", "UnsupportedModelError",
-    "PassError", "RequestError", "KVCacheExhaustedError", "__version__",
+    "PassError", "RequestError", "KVCacheExhaustedError", "KVPruneConfig", "enable_kv_pruning", "__version__",
 ]

@@ -16,6 +16,7 @@ from .pipeline import PassContext, PassManager, PassReport, Probe, Program
 from .runtime.context import AttentionMetadata, StepContext, step_context
 from .runtime.engine import Engine, RequestError, RequestOutput
 from .runtime.kv_cache import KVCacheSpec, PagedKVCache, blocks_for_budget
+from .runtime.kv_prune import active_config as active_kv_prune
 from .runtime.model_runner import ModelRunner
 from .runtime.sampling import SamplingParams
 
@@ -191,6 +192,8 @@ def _to_tensor(input_ids: torch.Tensor, outs: list[list[int]], pad: int) -> torc
 
 def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> OptimizedModel:
     """Compile an HF causal LM into a paged-KV engine. Options: see :class:`OptimizeConfig`."""
+    if "kv_prune" not in options and active_kv_prune() is not None:  # inside enable_kv_pruning
+        options = {**options, "kv_prune": active_kv_prune()}
     config = OptimizeConfig.from_kwargs(options)
     t0 = time.perf_counter()
     info = model_info(model)  # fail fast on unsupported models, before any copy
@@ -212,6 +215,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     backend = select_attention_backend(info.device, config.attention_backend)
     runner = ModelRunner(program, cache, vocab_size=info.vocab_size, backend=backend, device=info.device)
     engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
-                    tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching)
+                    tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,
+                    kv_prune=config.kv_prune)
     return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
                           hf_config=getattr(model, "config", None))

@@ -74,6 +74,86 @@ class SchedulerConfig:
 
 
 @dataclass
+class KVPruneConfig:
+    """Dynamic KV-cache pruning while decoding (see :mod:`devin_compile.runtime.kv_prune`).
+
+    Every ``step_interval`` decode steps a sequence's tokens whose normalised attention score
+    (mean over the observed steps of ``attention mass x live tokens``, so 1.0 = uniform) is
+    below ``threshold`` are evicted, never the first ``sink_tokens`` nor the last
+    ``recent_tokens``; ``max_tokens`` / ``max_ratio`` (of the sequence's positions) cap the
+    live tokens. ``policy``: ``"attention"`` (scores), ``"streaming"`` (evict the oldest
+    non-sink tokens: StreamingLLM) or ``"random"`` (a baseline; ``seed``).
+    ``enabled=False`` compiles the pruning nodes but leaves pruning off until a request
+    (``SamplingParams(kv_prune=...)``) or :func:`devin_compile.enable_kv_pruning` turns it on.
+    """
+
+    threshold: float = 0.05
+    step_interval: int = 2
+    sink_tokens: int = 4
+    recent_tokens: int = 64
+    max_tokens: int | None = None
+    max_ratio: float | None = None
+    policy: str = "attention"
+    seed: int = 0
+    enabled: bool = True
+
+    POLICIES = ("attention", "streaming", "random")
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
+            raise ValueError(f"kv_prune.threshold={t!r} must be in [0, 1) (a fraction of uniform attention; "
+                             "0 evicts nothing unless a cap is set)")
+        for name in ("step_interval",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"kv_prune.{name}={v!r} must be a positive integer (decode steps between evaluations)")
+        for name in ("sink_tokens", "recent_tokens", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"kv_prune.{name}={v!r} must be an integer >= 0")
+        protected = self.sink_tokens + self.recent_tokens
+        if self.max_tokens is not None:
+            v = self.max_tokens
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"kv_prune.max_tokens={v!r} must be a positive integer or None")
+            if v < max(protected, 1):
+                raise ValueError(
+                    f"kv_prune.max_tokens={v} is smaller than sink_tokens + recent_tokens = {protected}: the cap "
+                    "could only be met by evicting every token; raise max_tokens or lower the windows")
+        if self.max_ratio is not None:
+            v = self.max_ratio
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+                raise ValueError(f"kv_prune.max_ratio={v!r} must be in (0, 1] (live tokens / positions) or None")
+        if self.policy not in self.POLICIES:
+            raise ValueError(f"kv_prune.policy={self.policy!r} is unknown; valid: {list(self.POLICIES)}")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"kv_prune.enabled={self.enabled!r} must be True or False")
+
+    @property
+    def has_cap(self) -> bool:
+        return self.max_tokens is not None or self.max_ratio is not None
+
+    @classmethod
+    def coerce(cls, value: Any, what: str = "kv_prune") -> "KVPruneConfig | None":
+        """None/False → None (off); True → defaults; a dict or KVPruneConfig → validated config."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            valid = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(value) - set(valid))
+            if unknown:
+                raise ValueError(f"{what} got unknown keys {unknown}; valid keys: {valid}")
+            return cls(**value)
+        raise ValueError(f"{what}={value!r} must be a dict of settings (e.g. {{'threshold': 0.05}}), "
+                         "a KVPruneConfig, True or None")
+
+
+@dataclass
 class OptimizeConfig:
     """Everything ``optimize()`` accepts besides the model and tokenizer.
 
@@ -93,6 +173,7 @@ class OptimizeConfig:
     # Decode batch sizes the decode graph is specialised for; static-shape decode callables
     # (CUDA Graphs, ahead-compiled CPU decode) exist per bucket, batches pad up to one.
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    kv_prune: Any = None  # KVPruneConfig | dict | True: compile devin::kv_prune nodes (issue 5)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -116,6 +197,9 @@ class OptimizeConfig:
             raise ValueError(f"decode_buckets={buckets!r} must be a non-empty list of positive integers, "
                              "e.g. (1, 2, 4, 8, 16, 32, 64, 128)")
         self.decode_buckets = tuple(sorted(set(buckets)))
+        self.kv_prune = KVPruneConfig.coerce(self.kv_prune)
+        if self.kv_prune is not None and not self.split_phases:
+            raise ValueError("kv_prune= needs split_phases=True (the kv_prune nodes live in the decode graph)")
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
 

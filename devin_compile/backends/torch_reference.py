@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.context import AttentionMetadata
+from .attention_scores import group_mass
 from .kv_write import gather_sequence, write_kv
 from .registry import register_backend
 
@@ -24,9 +25,14 @@ def visible_mask(q_len: int, kv_len: int, sliding_window: int, device: torch.dev
 
 def reference_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    *, scale: float, softcap: float = 0.0, sliding_window: int = -1,
+    *, scale: float, softcap: float = 0.0, sliding_window: int = -1, mass_out: dict | None = None,
 ) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over each sequence's cached tokens (already written)."""
+    """Attention of q [T, Hq, D] over each sequence's cached tokens (already written).
+
+    With ``mass_out`` (a dict pre-filled with the batch rows wanted), also stores each such
+    row's attention mass [Hkv, kv_len] (summed over its queries and each KV head's query
+    group; see backends/attention_scores.py) under its row index.
+    """
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
@@ -47,6 +53,8 @@ def reference_paged_attention(
         mask = visible_mask(q_len, kv_len, sliding_window, q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if mass_out is not None and b in mass_out:
+            mass_out[b] = group_mass(probs)
         o = torch.einsum("hgqk,khd->qhgd", probs, vv).reshape(q_len, Hq, Dv)
         out[s:e] = o.to(q.dtype)
     return out
@@ -66,6 +74,14 @@ class TorchReferenceBackend:
         write_kv(k, v, k_cache, v_cache, meta)
         return reference_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
                                          sliding_window=sliding_window)
+
+    def forward_with_scores(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, rows):
+        """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]})."""
+        write_kv(k, v, k_cache, v_cache, meta)
+        mass = dict.fromkeys(rows)
+        out = reference_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
+                                        sliding_window=sliding_window, mass_out=mass)
+        return out, {b: m for b, m in mass.items() if m is not None}
 
 
 register_backend(TorchReferenceBackend())

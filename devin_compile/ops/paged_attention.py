@@ -36,6 +36,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         from ..backends.registry import get_backend
 
         backend = get_backend("torch_reference")
+    step = ctx.kv_prune
+    if step is not None and step.side_output and hasattr(backend, "forward_with_scores"):
+        # KV pruning: the attention mass per cached slot as a side output (ops/kv_prune.py consumes it)
+        out, step.side[layer] = backend.forward_with_scores(
+            q, k, v, k_cache, v_cache, ctx.attn, scale=scale, softcap=softcap, sliding_window=sliding_window,
+            rows=step.score_row_ids)
+        return out
     return backend.forward(q, k, v, k_cache, v_cache, ctx.attn, scale=scale, softcap=softcap,
                            sliding_window=sliding_window)
 

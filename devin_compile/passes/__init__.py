@@ -6,6 +6,7 @@ from .cleanup import Cleanup
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
+from .insert_kv_prune import InsertKVPrune
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
 
@@ -23,8 +24,10 @@ def default_passes(config, info) -> list:
         passes.append(PrepackLinear())
     if config.split_phases:
         passes.append(SplitPhases(config.decode_buckets))
+    if getattr(config, "kv_prune", None) is not None:
+        passes.append(InsertKVPrune())
     passes.append(Cleanup())
     return passes
 
 
-__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "FuseRMSNorm", "FuseRotary", "PrepackLinear", "SplitPhases", "default_passes"]
+__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "FuseRMSNorm", "FuseRotary", "InsertKVPrune", "PrepackLinear", "SplitPhases", "default_passes"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -98,6 +98,7 @@ class StepContext:
     attn: AttentionMetadata
     kv_cache: "PagedKVCache"
     backend: "AttentionBackend"
+    kv_prune: Any = None  # runtime.kv_prune.PruneStep on steps where a sequence prunes its KV cache
 
 
 _local = threading.local()

@@ -21,7 +21,9 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from ..config import SchedulerConfig
+from ..config import KVPruneConfig
 from .kv_cache import BlockAllocator
+from .kv_prune import KVPruner, has_kv_prune_nodes, resolve_request
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, sample_batch
@@ -63,7 +65,7 @@ class EngineMetrics:
 class Engine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, *, max_model_len: int,
                  eos_token_ids: Seq[int] = (), tokenizer=None, enable_prefix_caching: bool = True,
-                 debug_checks: bool = False) -> None:
+                 debug_checks: bool = False, kv_prune=None) -> None:
         self.runner = runner
         self.config = config
         self.max_model_len = max_model_len
@@ -73,6 +75,9 @@ class Engine:
         self.prefix_cache = PrefixCache(runner.block_size) if enable_prefix_caching else None
         self.allocator = BlockAllocator(runner.kv_cache.num_blocks, self.prefix_cache)
         self.scheduler = Scheduler(config, self.allocator, runner.block_size)
+        # KV pruning (runtime/kv_prune.py): only when the decode graph has devin::kv_prune nodes.
+        self.pruner = (KVPruner(KVPruneConfig.coerce(kv_prune), self.allocator, self.scheduler, runner.kv_cache,
+                                runner.backend) if has_kv_prune_nodes(getattr(runner, "program", None)) else None)
         self.requests: dict[str, Sequence] = {}
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
@@ -105,7 +110,8 @@ class Engine:
                 f"request {rid}: needs {total} KV slots but the whole KV pool holds {pool_tokens}; "
                 "raise kv_cache_memory / num_kv_blocks or lower max_new_tokens"
             )
-        seq = Sequence(rid, ids, params, generator=params.make_generator())
+        seq = Sequence(rid, ids, params, generator=params.make_generator(),
+                       kv_prune_config=resolve_request(self.pruner, params))
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -139,10 +145,16 @@ class Engine:
         if self.debug_checks:
             self.scheduler.check_writes(plan)
         t0 = time.perf_counter()
-        logits, owners = self.runner.execute(plan.scheduled)
+        prune_step = self.pruner.begin(plan.scheduled) if self.pruner is not None else None
+        if prune_step is None:
+            logits, owners = self.runner.execute(plan.scheduled)
+        else:
+            logits, owners = self.runner.execute(plan.scheduled, prune_step)
         for item in plan.scheduled:
             item.seq.num_computed += item.num_tokens
             self.scheduler.commit(item.seq)
+        if prune_step is not None:
+            self.pruner.finish(prune_step)
         sampled = [plan.scheduled[i].seq for i in owners]
         with torch.inference_mode():
             tokens = self._sample(logits, sampled)
@@ -278,7 +290,7 @@ class Engine:
         filled: dict[int, int] = {}  # block → slots holding live tokens (a shared block counts once)
         for s in self.scheduler.running:
             for j, b in enumerate(s.block_table):
-                n = min(bs, s.num_computed - j * bs)
+                n = min(bs, s.num_computed - s.num_evicted - j * bs)
                 if n > filled.get(b, 0):
                     filled[b] = n
         slots = a.num_used * bs
@@ -301,4 +313,6 @@ class Engine:
                 "prefix_evictions": ps.evictions, "prefix_rejected": ps.rejected,
                 "prefix_deduplicated": ps.deduplicated,
             })
+        if self.pruner is not None:
+            stats.update(self.pruner.stats())
         return stats

@@ -48,7 +48,8 @@ class ModelRunner:
         return max(query_lens) == 1 and logits_indices == list(range(len(query_lens)))
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], query_lens: list[int],
-            seq_lens: list[int], block_tables: list[list[int]], logits_indices: list[int]) -> torch.Tensor:
+            seq_lens: list[int], block_tables: list[list[int]], logits_indices: list[int],
+            kv_prune=None) -> torch.Tensor:
         """One forward over packed tokens; returns float logits [len(logits_indices), vocab]."""
         n_real = len(query_lens)
         decode = self.is_decode_step(query_lens, logits_indices)
@@ -69,11 +70,11 @@ class ModelRunner:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-        with torch.inference_mode(), step_context(StepContext(meta, self.kv_cache, self.backend)):
+        with torch.inference_mode(), step_context(StepContext(meta, self.kv_cache, self.backend, kv_prune)):
             logits = self.graph_for(decode, meta.num_seqs)(ids, pos, idx)
         return logits[0, :n_real] if decode else logits[0]
 
-    def execute(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, batch: list[ScheduledSeq], kv_prune=None) -> tuple[torch.Tensor, list[int]]:
         """Run a scheduled step. Returns (logits, row → index into ``batch``) for the
         sequences whose chunk reaches their last known token (they sample next)."""
         bs = self.block_size
@@ -87,9 +88,10 @@ class ModelRunner:
             ids.extend(seq.all_ids[start:start + n])
             pos.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            s0 = start - seq.num_evicted  # KV pruning: slots lag positions by the evicted tokens
+            slots.extend(table[s // bs] * bs + s % bs for s in range(s0, s0 + n))
             qlens.append(n)
-            slens.append(start + n)
+            slens.append(s0 + n)
             tables.append(table)
             if start + n == seq.num_tokens:
                 logit_rows.append(len(ids) - 1)
@@ -98,5 +100,5 @@ class ModelRunner:
             logit_rows = [len(ids) - 1]
             logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows)
             return logits[:0], []
-        logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows)
+        logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows, kv_prune)
         return logits, owners

@@ -27,6 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # KV pruning for this request: None (the engine's / enable_kv_pruning's setting), False (off),
+    # or a dict / KVPruneConfig (see devin_compile.config.KVPruneConfig).
+    kv_prune: object = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -43,6 +46,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (token_ids, logits) -> logits")
+        if self.kv_prune is not None and self.kv_prune is not False:
+            from ..config import KVPruneConfig
+
+            self.kv_prune = KVPruneConfig.coerce(self.kv_prune, "SamplingParams.kv_prune")
 
     @property
     def greedy(self) -> bool:

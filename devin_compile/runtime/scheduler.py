@@ -85,16 +85,23 @@ class Scheduler:
         if seq.block_table:
             self.allocator.free(seq.block_table)
             seq.block_table = []
+        seq.num_evicted, seq.kv_prune_state = 0, None  # KV pruning restarts with the recompute
         chain = self._chains.get(seq.request_id)
         if chain is not None:
             chain.reset()
+
+    def stop_prefix_registration(self, seq: Sequence) -> None:
+        """KV pruning compacted ``seq``: its blocks no longer hold its tokens in order, so register no more."""
+        chain = self._chains.get(seq.request_id)
+        if chain is not None:
+            chain.broken = True
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     # -- planning ---------------------------------------------------------
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        need = self.blocks_needed(num_tokens - seq.num_evicted) - len(seq.block_table)  # slots, after KV pruning
         if need <= 0:
             return True
         if not self.allocator.can_allocate(need):
@@ -215,7 +222,8 @@ class Scheduler:
         bs = self.block_size
         for item in plan.scheduled:
             seq = item.seq
-            first, last = seq.num_computed // bs, (seq.num_computed + item.num_tokens - 1) // bs
+            s0 = seq.num_computed - seq.num_evicted  # first slot written (KV pruning: slots != positions)
+            first, last = s0 // bs, (s0 + item.num_tokens - 1) // bs
             for j in range(first, last + 1):
                 self.allocator.check_writable(seq.block_table[j])
 

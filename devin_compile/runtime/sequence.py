@@ -31,6 +31,11 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    # KV pruning (runtime/kv_prune.py); zero for requests that do not prune.
+    kv_evicted_tokens: int = 0
+    kv_freed_blocks: int = 0
+    kv_prune_evaluations: int = 0
+    kv_live_tokens: int = 0  # KV slots the request holds after its latest pruning step
 
     @property
     def ttft(self) -> float | None:
@@ -49,7 +54,12 @@ class Sequence:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V were computed (positions 0 .. num_computed - 1)
+    # KV pruning: tokens evicted from the cache; the sequence holds num_slots KV slots, and
+    # the token at position p >= num_computed goes to slot p - num_evicted.
+    num_evicted: int = 0
+    kv_prune_config: object = None  # the request's resolved KVPruneConfig (None: no pruning)
+    kv_prune_state: object = None  # runtime/kv_prune.PruneState; dropped with the blocks
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
@@ -63,6 +73,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_slots(self) -> int:
+        """KV slots in use: computed tokens minus evicted ones."""
+        return self.num_computed - self.num_evicted
 
     @property
     def num_uncomputed(self) -> int:
