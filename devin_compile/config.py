@@ -127,6 +127,9 @@ class KVPruneConfig:
                 raise ValueError(f"kv_prune.max_ratio={v!r} must be in (0, 1] (live tokens / positions) or None")
         if self.policy not in self.POLICIES:
             raise ValueError(f"kv_prune.policy={self.policy!r} is unknown; valid: {list(self.POLICIES)}")
+        if self.policy != "attention" and not self.has_cap:
+            raise ValueError(f"kv_prune.policy={self.policy!r} ignores scores, so it needs a cap: set max_tokens or "
+                             "max_ratio")
         if not isinstance(self.enabled, bool):
             raise ValueError(f"kv_prune.enabled={self.enabled!r} must be True or False")
 

@@ -262,9 +262,11 @@ class KVPruner:
                 seq.kv_prune_state.steps_since_eval = 0
                 if not seq.status.done:
                     self._evaluate(seq)
-        for _, seq in step.rows:
-            live = seq.num_computed - seq.num_evicted
-            seq.metrics.kv_live_tokens = live
+            for _, seq in step.rows:
+                live = seq.num_computed - seq.num_evicted
+                if seq.kv_prune_state is not None:
+                    seq.kv_prune_state.ensure(live, seq.num_evicted)
+                seq.metrics.kv_live_tokens = live
 
     # -- policy ---------------------------------------------------------------------
     def eviction_count(self, seq: "Sequence", protected: torch.Tensor, mean: torch.Tensor | None) -> int:
