@@ -25,6 +25,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 _INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 
 import importlib.util  # noqa: E402
+import random  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
@@ -262,6 +263,37 @@ def test_triton_long_context_window(sliding_window: int) -> None:
     case = Case(query_lens, seq_lens, tables, slots, num_blocks=18, block_size=bs, num_kv_heads=1, group=3,
                 head_dim=16, seed=7, sliding_window=sliding_window)
     check_backend("triton", case)
+    check_backend("cpu_sdpa", case)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_cpu_sdpa_decode_length_groups(mixed: bool) -> None:
+    """Decode rows of very different lengths are cut into several length groups (and, in a
+    mixed step, sit between prefill rows); every row still equals the reference."""
+    from devin_compile.backends.cpu_sdpa import _decode_plan
+
+    bs = 4
+    kv = [3, 300, 7, 290, 150, 2, 160]
+    rng = random.Random(5)
+    free = list(range(1, 1 + sum(-(-n // bs) for n in kv) + 8))
+    rng.shuffle(free)
+    query_lens, seq_lens, tables, slots = [], [], [], []
+    for i, n in enumerate(kv):
+        q_len = 6 if (mixed and i in (1, 4)) else 1
+        table = [free.pop() for _ in range(-(-n // bs))]
+        query_lens.append(q_len)
+        seq_lens.append(n)
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(n - q_len, n)]
+    case = Case(query_lens, seq_lens, tables, slots, num_blocks=len(free) + 1 + sum(len(t) for t in tables),
+                block_size=bs, num_kv_heads=2, group=3, head_dim=16, seed=11)
+    meta = case.meta()
+    rows = [b for b, n in enumerate(query_lens) if n == 1]
+    plan = _decode_plan(meta, bs, torch.device("cpu"), rows)
+    assert plan[0] == "groups" and len(plan[1]) >= 2
+    covered = sorted(t for g in plan[1] for t in g[0].tolist())
+    qstart = [sum(query_lens[:b]) for b in rows]
+    assert covered == sorted(qstart)
     check_backend("cpu_sdpa", case)
 
 

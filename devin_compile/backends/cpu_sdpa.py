@@ -2,9 +2,11 @@
 
 - A sequence with no cached context (a fresh prefill) attends over its own new
   k/v directly with ``is_causal=True``: no gather at all.
-- Pure decode steps read a single sequence's consecutive blocks as a view and attend
-  with two float32 GEMMs over [Hkv, G, ·] head groups; several sequences gather their
-  slots in one ``index_select`` and run one float32 SDPA call with a key-padding mask.
+- Decode rows (one query per sequence, in pure-decode and in mixed steps) read a single
+  sequence's consecutive blocks as a view and attend with two float32 GEMMs over
+  [Hkv, G, ·] head groups; several sequences are cut into length groups
+  (:mod:`.length_groups`) and each group gathers its slots in one ``index_select`` and
+  runs one float32 SDPA call with a key-padding mask.
 - Anything else (chunked prefill over cached context, sliding windows) gathers that
   sequence's slots and runs SDPA with an explicit mask.
 Soft-capped logits are declined (SDPA has no soft-cap) and go to the reference.
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from ..runtime.context import AttentionMetadata
 from .kv_write import gather_sequence, write_kv
+from .length_groups import group_by_length
 from .registry import register_backend
 from .torch_reference import visible_mask
 
@@ -34,65 +37,99 @@ def _sdpa(q, k, v, *, scale, mask=None, causal=False):
                                           enable_gqa=q.shape[-3] != k.shape[-3])
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device):
-    """How this step's decode reads the cache, computed once per step for all layers.
+def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device, rows: list[int]):
+    """How this step's decode rows read the cache, computed once per step for all layers.
 
-    ("range", start, length) when a single sequence's blocks are consecutive (a plain
-    view of the cache, no copy); otherwise ("gather", flat slot index [B*L], mask or None).
+    ``rows``: the sequences with one query this step. Returns ("range", start, length)
+    when it is a single sequence on consecutive blocks (a plain view of the cache, no
+    copy), else ("groups", [(token_rows, flat_slots, mask, n, L), ...]): the rows cut
+    into length groups (:func:`group_by_length`) so the gathered rectangles stay close
+    to the real key count; ``token_rows`` index q/out, ``flat_slots`` [n*L] the cache.
     """
     plan = meta.scratch.get("cpu_decode")
     if plan is not None:
         return plan
-    L = meta.max_seq_len
-    nblocks = (L + block_size - 1) // block_size
-    tables = [bt[:nblocks] for bt in meta.block_tables_host]
-    if len(tables) == 1 and all(b - a == 1 for a, b in zip(tables[0], tables[0][1:])):
-        plan = ("range", tables[0][0] * block_size, L)
-    else:
+    lens = [meta.seq_lens_host[b] for b in rows]
+    tables = [meta.block_tables_host[b] for b in rows]
+    if len(rows) == 1:
+        L = lens[0]
+        t = tables[0][: (L + block_size - 1) // block_size]
+        if all(b - a == 1 for a, b in zip(t, t[1:])):
+            plan = ("range", t[0] * block_size, L)
+            meta.scratch["cpu_decode"] = plan
+            return plan
+    qstart = [0]
+    for n in meta.query_lens_host:
+        qstart.append(qstart[-1] + n)
+    grouping = group_by_length(lens)
+    groups = []
+    for g in grouping.groups:
+        L = lens[g[0]]
+        nblk = (L + block_size - 1) // block_size
+        table = torch.tensor([tables[i][:nblk] + [0] * (nblk - min(nblk, len(tables[i]))) for i in g],
+                             dtype=torch.long, device=device)
         slots = torch.arange(L, device=device)
-        table = meta.block_tables[:, :nblocks].long()
-        flat = table.gather(1, (slots // block_size)[None].expand(len(tables), -1)) * block_size + slots % block_size
+        flat = (table[:, slots // block_size] * block_size + slots % block_size).flatten()
+        glens = [lens[i] for i in g]
         mask = None
-        if min(meta.seq_lens_host) != L:
-            mask = (slots[None, :] < meta.seq_lens[:, None]).view(len(tables), 1, 1, L)
-        plan = ("gather", flat.flatten(), mask)
+        if min(glens) != L:
+            mask = (slots[None, :] < torch.tensor(glens, device=device)[:, None]).view(len(g), 1, 1, L)
+        tok_rows = [qstart[rows[i]] for i in g]
+        # None: the group is every token of the step, in order (no q gather, no out scatter).
+        tok = None if tok_rows == list(range(qstart[-1])) else torch.tensor(tok_rows, dtype=torch.long, device=device)
+        groups.append((tok, flat, mask, len(g), L))
+    plan = ("groups", groups)
     meta.scratch["cpu_decode"] = plan
+    meta.scratch["cpu_decode_waste"] = grouping.waste
     return plan
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence, attention in float32 (faster here than bf16 and more accurate).
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: list[int],
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence in ``rows``, attention in float32 (faster here than bf16 and
+    more accurate). Writes into ``out`` ([T, Hq, Dv], token rows of ``rows``) or, when
+    ``out`` is None (a pure-decode step), returns a new [B, Hq, Dv].
 
     One sequence on consecutive blocks: two batched GEMMs over [Hkv, G, ·] views of the
     cache (GQA without repeats, no copy); measured on this CPU in a bf16 model this beats
     the fused SDPA kernel, which is slow in bf16 at one query, by 8x at 500 cached tokens
-    and 18x at 3000. Otherwise: one gather, then fused SDPA in float32 (below).
+    and 18x at 3000. Otherwise, per length group: one gather, then fused SDPA in float32.
     """
-    B, Hq, D = q.shape
+    Hq, D = q.shape[1], q.shape[2]
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
-    plan = _decode_plan(meta, k_cache.shape[1], q.device)
+    plan = _decode_plan(meta, k_cache.shape[1], q.device, rows)
     kc = k_cache.view(-1, Hkv, k_cache.shape[-1])
     vc = v_cache.view(-1, Hkv, v_cache.shape[-1])
     if plan[0] == "range":
         _, start, L = plan
+        row = meta.query_lens_host[: rows[0]]
+        t = sum(row)
         kk = kc[start:start + L].permute(1, 2, 0)  # [Hkv, D, L], a view
         vv = vc[start:start + L].transpose(0, 1)  # [Hkv, L, Dv]
         # float32 GEMMs: on this CPU they beat bf16 ones at these skinny shapes, even with the casts.
-        scores = torch.bmm(q.reshape(Hkv, G, D).float(), kk.float())
+        scores = torch.bmm(q[t].reshape(Hkv, G, D).float(), kk.float())
         probs = torch.softmax(scores.mul_(scale), dim=-1)
-        return torch.bmm(probs, vv.float()).view(B, Hq, -1).to(q.dtype)
-    # Several sequences (or scattered blocks): gather each sequence's slots once, cast to
-    # float32 (a contiguous copy), and let the fused SDPA kernel read K/V through strided
-    # [B, Hkv, L, D] views with a key-padding mask. 3.7x faster than head-group GEMMs over
-    # permuted copies at 16 sequences x 300 tokens.
-    _, flat, mask = plan
-    L = meta.max_seq_len
-    kk = kc.index_select(0, flat).float().view(B, L, Hkv, D).transpose(1, 2)
-    vv = vc.index_select(0, flat).float().view(B, L, Hkv, -1).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.float().view(B, Hq, 1, D), kk, vv, attn_mask=mask, scale=scale,
-                                         enable_gqa=G > 1)
-    return out.view(B, Hq, -1).to(q.dtype)
+        o = torch.bmm(probs, vv.float()).view(1, Hq, -1).to(q.dtype)
+        if out is None:
+            return o
+        out[t] = o[0]
+        return out
+    # Gather each group's slots once, cast to float32 (a contiguous copy), and let the fused
+    # SDPA kernel read K/V through strided [n, Hkv, L, D] views with a key-padding mask.
+    # 3.7x faster than head-group GEMMs over permuted copies at 16 sequences x 300 tokens.
+    for tok, flat, mask, n, L in plan[1]:
+        kk = kc.index_select(0, flat).float().view(n, L, Hkv, D).transpose(1, 2)
+        vv = vc.index_select(0, flat).float().view(n, L, Hkv, -1).transpose(1, 2)
+        qq = q if tok is None else q.index_select(0, tok)
+        o = F.scaled_dot_product_attention(qq.float().view(n, Hq, 1, D), kk, vv, attn_mask=mask, scale=scale,
+                                           enable_gqa=G > 1).view(n, Hq, -1).to(q.dtype)
+        if tok is None:
+            return o
+        if out is None:
+            out = q.new_empty((q.shape[0], Hq, v_cache.shape[-1]))
+        out.index_copy_(0, tok, o)
+    return out
 
 
 class CpuSdpaBackend:
@@ -107,13 +144,17 @@ class CpuSdpaBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
         write_kv(k, v, k_cache, v_cache, meta)
-        if meta.is_pure_decode and sliding_window <= 0 and meta.num_seqs == q.shape[0]:
-            return _decode(q, k_cache, v_cache, meta, scale)
+        decode_rows = [] if sliding_window > 0 else [b for b, n in enumerate(meta.query_lens_host) if n == 1]
+        if decode_rows and len(decode_rows) == meta.num_seqs:
+            return _decode(q, k_cache, v_cache, meta, scale, decode_rows)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+        if decode_rows:  # the decode rows of a mixed step: batched as in a pure decode step
+            _decode(q, k_cache, v_cache, meta, scale, decode_rows, out)
         start = 0
         for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
             end = start + q_len
-            if q_len == 0:
+            if q_len == 0 or (q_len == 1 and decode_rows):
+                start = end
                 continue
             qq = q[start:end].transpose(0, 1)
             if kv_len == q_len and (sliding_window <= 0 or sliding_window >= kv_len):
