@@ -266,11 +266,21 @@ def test_triton_long_context_window(sliding_window: int) -> None:
     check_backend("cpu_sdpa", case)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_cpu_sdpa_decode_length_groups(mixed: bool) -> None:
+def test_cpu_sdpa_decode_length_groups(mixed: bool, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows of very different lengths are cut into several length groups (and, in a
-    mixed step, sit between prefill rows); every row still equals the reference."""
+    mixed step, sit between prefill rows); every row still equals the reference, with the
+    gather + SDPA path and with the Inductor-fused kernel (forced on for every group)."""
+    from devin_compile.backends import cpu_fused_decode
     from devin_compile.backends.cpu_sdpa import _decode_plan
+
+    calls = []
+    if fused:
+        real = cpu_fused_decode.fused_decode_attention
+        monkeypatch.setattr(cpu_fused_decode, "MIN_KEYS", 0)
+        monkeypatch.setattr(cpu_fused_decode, "fused_decode_attention",
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
 
     bs = 4
     kv = [3, 300, 7, 290, 150, 2, 160]
@@ -295,6 +305,21 @@ def test_cpu_sdpa_decode_length_groups(mixed: bool) -> None:
     qstart = [sum(query_lens[:b]) for b in rows]
     assert covered == sorted(qstart)
     check_backend("cpu_sdpa", case)
+    if fused:
+        assert calls and not cpu_fused_decode._failed, "the fused kernel did not run"
+
+
+def test_cpu_fused_decode_bf16_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devin_compile.backends import cpu_fused_decode
+
+    monkeypatch.setattr(cpu_fused_decode, "MIN_KEYS", 0)
+    bs, kv = 16, [40, 130, 75]
+    tables = [[3, 9, 1], [2, 8, 4, 7, 10, 12, 5, 11, 13], [6, 14, 15, 16, 17]]
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, kv)]
+    case = Case([1, 1, 1], kv, tables, slots, num_blocks=18, block_size=bs, num_kv_heads=2, group=2,
+                head_dim=32, seed=3)
+    check_backend("cpu_sdpa", case, torch.bfloat16)
+    assert not cpu_fused_decode._failed
 
 
 # --------------------------------------------------------------------------- selection
