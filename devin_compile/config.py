@@ -95,6 +95,7 @@ class KVPruneConfig:
     max_ratio: float | None = None
     policy: str = "attention"
     seed: int = 0
+    prefill_window: int = 0  # > 0: SnapKV-style, the prompt's last N queries score it and it is pruned once at once
     enabled: bool = True
 
     POLICIES = ("attention", "streaming", "random")
@@ -108,7 +109,7 @@ class KVPruneConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"kv_prune.{name}={v!r} must be a positive integer (decode steps between evaluations)")
-        for name in ("sink_tokens", "recent_tokens", "seed"):
+        for name in ("sink_tokens", "recent_tokens", "seed", "prefill_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"kv_prune.{name}={v!r} must be an integer >= 0")

@@ -260,7 +260,8 @@ def test_no_block_leaks_random_workloads(pruned, seed, num_blocks, n_req, policy
     prompts = [stem[:rng.randrange(1, len(stem) + 1)] + prompt(seed + i + 1, rng.randrange(1, 12))
                for i in range(n_req)]
     cfg = dict(threshold=threshold, step_interval=interval, sink_tokens=rng.randrange(0, 3),
-               recent_tokens=rng.randrange(0, 4), max_tokens=max_tokens, policy=policy)
+               recent_tokens=rng.randrange(0, 4), max_tokens=max_tokens, policy=policy,
+               prefill_window=rng.choice([0, 0, 4]))
     eng = engine_over(pruned, num_blocks=num_blocks, max_num_seqs=3, max_batched=rng.choice([8, 64]))
     params = [SamplingParams(max_new_tokens=rng.randrange(1, 20), kv_prune=cfg if rng.random() < 0.7 else False)
               for _ in prompts]
@@ -278,10 +279,10 @@ def test_no_block_leaks_random_workloads(pruned, seed, num_blocks, n_req, policy
 
 def test_pass_inserts_one_node_per_layer_in_decode_only(pruned, base):
     rec = {r.name: r for r in pruned.pass_report.records}["insert_kv_prune"]
-    assert rec.status == "ran" and rec.matches == pruned.info.num_layers
+    assert rec.status == "ran" and rec.matches == 2 * pruned.info.num_layers  # decode + prefill
     target = torch.ops.devin.kv_prune.default
     count = {ph: sum(n.target is target for n in gm.graph.nodes) for ph, gm in pruned.program.graphs.items()}
-    assert count == {"prefill": 0, "decode": pruned.info.num_layers}
+    assert count == {"prefill": pruned.info.num_layers, "decode": pruned.info.num_layers}
     assert "insert_kv_prune" not in {r.name for r in base.pass_report.records}
     assert base.engine.pruner is None
 
@@ -331,3 +332,24 @@ def test_requests_cannot_prune_without_nodes(base):
 def test_sliding_window_models_are_refused(tiny_model):
     with pytest.raises(PassError, match="sliding window"):
         dc.optimize(tiny_model("mistral"), num_kv_blocks=16, kv_prune={"threshold": 0.1})
+
+
+def test_prefill_window_prunes_the_prompt_once(pruned):
+    """SnapKV-style: the prompt's last queries score it and it is cut to the cap right after prefill."""
+    eng = engine_over(pruned, prefix=False, max_batched=20)  # chunks 20, 20, 10: the window lies in the last one
+    seen = []
+
+    def record(tokens, row):
+        seq = eng.requests["w"]
+        seen.append((seq.num_slots, seq.kv_prune_state.obs[:, :seq.num_slots].clone()))
+        return row
+
+    cfg = dict(CAP, prefill_window=8, step_interval=4)
+    eng.add_request(prompt(41, 50), SamplingParams(max_new_tokens=3, kv_prune=cfg, logits_processors=[record]),
+                    request_id="w")
+    while eng.has_unfinished():
+        eng.step()
+    slots, obs = seen[0]  # sampled right after the prefill step
+    assert slots == CAP["max_tokens"]
+    assert float(obs.max()) == 8 and float(obs.min()) >= 1  # every kept slot was seen by the window
+    assert eng.requests["w"].metrics.kv_evicted_tokens == 50 - CAP["max_tokens"]

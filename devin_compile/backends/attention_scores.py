@@ -42,3 +42,30 @@ def recompute_decode_mass(q: torch.Tensor, k_cache: torch.Tensor, meta: Attentio
             scores = torch.tanh(scores / softcap) * softcap
         out[b] = torch.softmax(scores, dim=-1).sum(dim=1)
     return out
+
+
+def window_scores(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, b: int, window: int, *,
+                  scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """SnapKV-style observation window: the last ``window`` queries of row ``b``'s chunk score every slot.
+
+    Returns (summed normalised scores [L], observations [L]): for each query, the per-KV-head
+    mean attention (group mass / G), max over KV heads, times the slots that query sees (so
+    1.0 = uniform); summed over the window's queries, with the number of queries that saw each slot.
+    """
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    L = meta.seq_lens_host[b]
+    e = int(meta.query_start_loc[b + 1])
+    s = max(int(meta.query_start_loc[b]), e - window)
+    w = e - s
+    kk = gather_sequence(k_cache, meta.block_tables[b], L).float()  # [L, Hkv, D]
+    qq = q[s:e].float().view(w, Hkv, G, D)
+    scores = torch.einsum("qhgd,lhd->hgql", qq, kk) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    qpos = torch.arange(L - w, L, device=q.device)
+    visible = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]  # [w, L]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    norm = (probs.sum(dim=1) / G).amax(dim=0) * (qpos + 1)[:, None].float()  # [w, L]
+    return norm.sum(dim=0), visible.sum(dim=0).float()

@@ -32,6 +32,14 @@ def kv_prune(q: torch.Tensor, attn_out: torch.Tensor, layer: int, scale: float, 
         return
     k_cache, _ = ctx.kv_cache.layer(layer)
     group = q.shape[1] // k_cache.shape[2]
+    if step.phase == "prefill":
+        from ..backends.attention_scores import window_scores
+
+        for b, seq in step.score_rows:
+            w = seq.kv_prune_state.config.prefill_window
+            step.accumulate_window(layer, b, seq, *window_scores(q, k_cache, ctx.attn, b, w, scale=scale,
+                                                                 softcap=softcap))
+        return
     side = step.side.pop(layer, None)
     if side is not None:
         step.accumulate(layer, side, group)

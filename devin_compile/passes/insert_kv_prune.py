@@ -1,6 +1,6 @@
-"""insert_kv_prune: a ``devin::kv_prune`` node after every attention call of the decode graph.
+"""insert_kv_prune: a ``devin::kv_prune`` node after every attention call (decode and prefill graphs).
 
-Pattern → replacement (``decode`` graph only; ``prefill`` is left as it is)::
+Pattern → replacement (in ``decode``, and in ``prefill`` for the SnapKV-style prompt variant)::
 
     o = paged_attention(q, k, v, layer, scale, softcap, window)
     →
@@ -9,8 +9,10 @@ Pattern → replacement (``decode`` graph only; ``prefill`` is left as it is)::
 
 The node folds the layer's attention mass into the pruning scores of the sequences that
 prune (see ``ops/kv_prune.py`` and ``runtime/kv_prune.py``); with no pruning sequence in a
-step it returns at once. Invariants: exactly one node per attention layer (else
-``PassError``); the graph's outputs are unchanged. Sliding-window layers are refused: their
+step it returns at once. In the prefill graph it acts only for requests with
+``prefill_window > 0`` whose prompt completes in the step (their last ``prefill_window``
+queries score the prompt, which is then pruned once). Invariants: exactly one node per
+attention layer in each graph (else ``PassError``); the graphs' outputs are unchanged. Sliding-window layers are refused: their
 window is counted in slots, which stop being positions once a sequence is compacted.
 Enabled by ``optimize(kv_prune=...)`` (or inside ``enable_kv_pruning``).
 """
@@ -29,16 +31,24 @@ class InsertKVPrune(Pass):
     requires = ("attention_to_paged", "split_phases")
 
     def run(self, program: Program, ctx: PassContext) -> PassResult:
-        gm = program.graphs.get("decode")
-        if gm is None:
+        if "decode" not in program.graphs:
             raise PassError(f"insert_kv_prune needs a 'decode' graph (run split_phases first), got {list(program.graphs)}")
+        total, notes = 0, []
+        for phase in ("decode", "prefill"):
+            if phase in program.graphs:
+                n = self._insert(program.graphs[phase], phase, ctx.info.num_layers)
+                total += n
+                notes.append(f"{phase}: {n}")
+        return PassResult(matches=total, note="kv_prune nodes " + ", ".join(notes))
+
+    @staticmethod
+    def _insert(gm: torch.fx.GraphModule, phase: str, num_layers: int) -> int:
         graph = gm.graph
         target = torch.ops.devin.kv_prune.default
         if any(is_call(n, target) for n in graph.nodes):
-            raise PassError("insert_kv_prune: the decode graph already has devin::kv_prune nodes")
-        sites = [n for n in graph.nodes if is_call(n, torch.ops.devin.paged_attention.default)]
+            raise PassError(f"insert_kv_prune: the {phase} graph already has devin::kv_prune nodes")
         layers = []
-        for node in sites:
+        for node in [n for n in graph.nodes if is_call(n, torch.ops.devin.paged_attention.default)]:
             q, _k, _v, layer, scale = node.args[:5]
             softcap = node.args[5] if len(node.args) > 5 else node.kwargs.get("softcap", 0.0)
             window = node.args[6] if len(node.args) > 6 else node.kwargs.get("sliding_window", -1)
@@ -52,8 +62,7 @@ class InsertKVPrune(Pass):
                 if key in node.meta:
                     new.meta[key] = node.meta[key]
             layers.append(layer)
-        expected = list(range(ctx.info.num_layers))
-        if sorted(layers) != expected:
-            raise PassError(f"insert_kv_prune inserted nodes for layers {sorted(layers)}, expected one per attention "
-                            f"layer {expected}")
-        return PassResult(matches=len(layers), note=f"{len(layers)} kv_prune nodes (decode graph)")
+        if sorted(layers) != list(range(num_layers)):
+            raise PassError(f"insert_kv_prune inserted nodes for layers {sorted(layers)} of the {phase} graph, "
+                            f"expected one per attention layer {list(range(num_layers))}")
+        return len(layers)

@@ -36,9 +36,11 @@ holes left in ``[0, m)``, per layer (few moves in steady state, no full rewrite)
 their true rotary positions (baked into K) and new tokens continue from the true position
 (``Sequence.num_evicted`` separates slots from positions). Blocks at and past
 ``ceil(m / block_size)`` go back to the allocator. A block about to be written (a hole or
-the next append) that is shared (reference count > 1) is first copied to a fresh block; one
-registered in the prefix cache is unregistered (its content no longer matches its hash),
-and the sequence stops registering blocks. Unchanged blocks stay shared and registered.
+the next append) that is shared (reference count > 1) is first copied to a fresh block (if no
+block is free the evaluation is skipped); one registered in the prefix cache is copied too
+while spare blocks last, so its entry keeps serving later hits, else unregistered (its content
+no longer matches its hash). The sequence then stops registering blocks. Unchanged blocks
+stay shared and registered.
 """
 from __future__ import annotations
 
@@ -175,6 +177,7 @@ class PruneStep:
     eval_rows: list[tuple[int, "Sequence"]]
     score_rows: list[tuple[int, "Sequence"]]
     side_output: bool
+    phase: str = "decode"  # "prefill": score_rows finish their prompt; score their last prefill_window queries
     side: dict[int, dict] = field(default_factory=dict)  # layer → {batch row: [Hkv, L] mass}
     layers_scored: int = 0
 
@@ -196,6 +199,15 @@ class PruneStep:
             st.obs[layer, :n] += 1
         self.layers_scored += 1
 
+    def accumulate_window(self, layer: int, b: int, seq: "Sequence", score_sum: torch.Tensor,
+                          obs: torch.Tensor) -> None:
+        """Fold the prefill observation window of one row: summed normalised scores and observation counts [L]."""
+        st: PruneState = seq.kv_prune_state
+        n = score_sum.shape[-1]
+        st.ensure(n, seq.num_evicted)
+        st.score_sum[layer, :n] += score_sum
+        st.obs[layer, :n] += obs
+
 
 # -- the pruner -----------------------------------------------------------------------
 
@@ -205,7 +217,8 @@ class PruneTotals:
     evaluations: int = 0
     evicted_tokens: int = 0
     freed_blocks: int = 0
-    copied_blocks: int = 0  # shared blocks copied before compaction wrote to them
+    copied_blocks: int = 0  # shared blocks (reference count > 1) copied before compaction wrote to them
+    copied_cached_blocks: int = 0  # registered blocks of ours alone copied, so the prefix cache keeps them
     unregistered_blocks: int = 0  # prefix-cache entries dropped because compaction changed them
     skipped_no_space: int = 0  # evaluations skipped: no free block for a copy-on-write
 
@@ -225,10 +238,31 @@ class KVPruner:
         self.totals = PruneTotals()
         self._seeds = 0
 
-    def begin(self, scheduled: list["ScheduledSeq"]) -> PruneStep | None:
-        """Plan a step (None: nothing prunes, or the step is not pure decode, so it runs no kv_prune node)."""
-        if not all(it.num_tokens == 1 and it.seq.num_computed + 1 == it.seq.num_tokens for it in scheduled):
+    def _new_state(self, seq: "Sequence") -> PruneState:
+        cfg = seq.kv_prune_config
+        seq.kv_prune_state = PruneState(cfg, self.num_layers, self.kv_cache.device, cfg.seed + self._seeds)
+        self._seeds += 1
+        return seq.kv_prune_state
+
+    def _begin_prefill(self, scheduled: list["ScheduledSeq"]) -> PruneStep | None:
+        """Prefill-graph step: sequences whose prompt completes now and that have an observation window."""
+        rows = []
+        for b, item in enumerate(scheduled):
+            seq = item.seq
+            cfg = seq.kv_prune_config
+            if (cfg is None or cfg.prefill_window <= 0 or seq.kv_prune_state is not None
+                    or seq.num_computed + item.num_tokens != seq.num_tokens):
+                continue
+            self._new_state(seq)
+            rows.append((b, seq))
+        if not rows:
             return None
+        return PruneStep(rows, rows, rows, side_output=False, phase="prefill")
+
+    def begin(self, scheduled: list["ScheduledSeq"]) -> PruneStep | None:
+        """Plan a step (None: no sequence prunes or scores in it, so the kv_prune nodes return at once)."""
+        if not all(it.num_tokens == 1 and it.seq.num_computed + 1 == it.seq.num_tokens for it in scheduled):
+            return self._begin_prefill(scheduled)
         rows = []
         for b, item in enumerate(scheduled):
             seq = item.seq
@@ -236,8 +270,7 @@ class KVPruner:
             if cfg is None:
                 continue
             if seq.kv_prune_state is None:
-                seq.kv_prune_state = PruneState(cfg, self.num_layers, self.kv_cache.device, cfg.seed + self._seeds)
-                self._seeds += 1
+                self._new_state(seq)
             rows.append((b, seq))
         if not rows:
             return None
@@ -339,26 +372,33 @@ class KVPruner:
         if m % bs:
             written.add(m // bs)  # the next token is appended there
         written = sorted(j for j in written if j < new_nb)
-        copies = [j for j in written if alloc.ref_count[table[j]] > 1]
+        cache = alloc.prefix_cache
+        shared = [j for j in written if alloc.ref_count[table[j]] > 1]
+        registered = [j for j in written if alloc.ref_count[table[j]] == 1 and cache is not None and table[j] in cache]
         trailing = table[new_nb:]
-        if copies and len(copies) > alloc.num_free + sum(1 for b in trailing if alloc.ref_count[b] == 1):
+        spare = alloc.num_free + sum(1 for b in trailing if alloc.ref_count[b] == 1)
+        if len(shared) > spare:
             self.totals.skipped_no_space += 1
             return False
+        keep_registered = set(registered[:spare - len(shared)])  # copy these too, so their cache entries live on
         data = self.kv_cache.data  # [layers, 2, blocks, bs, Hkv, D]
         flat = data.view(data.shape[0], 2, -1, *data.shape[4:])
         tbl = torch.tensor(table, dtype=torch.long, device=data.device)
         moved = flat[tail_l, :, tbl[tail_s // bs] * bs + tail_s % bs]  # gathered before any block is reused
         alloc.free(trailing)
-        cache = alloc.prefix_cache
         for j in written:
             b = table[j]
-            if alloc.ref_count[b] > 1:  # shared: copy, never edit in place
+            shared_b = alloc.ref_count[b] > 1
+            if shared_b or j in keep_registered:  # shared or cached: copy, never edit in place
                 (nb,) = alloc.allocate(1)
                 data[:, :, nb] = data[:, :, b]
                 alloc.free([b])
                 table[j] = nb
-                self.totals.copied_blocks += 1
-            elif cache is not None and b in cache:  # ours alone but registered: its hash no longer holds
+                if shared_b:
+                    self.totals.copied_blocks += 1
+                else:
+                    self.totals.copied_cached_blocks += 1
+            elif cache is not None and b in cache:  # ours alone, registered, no spare block: its hash no longer holds
                 cache.evict(b)
                 self.totals.unregistered_blocks += 1
         tbl = torch.tensor(table, dtype=torch.long, device=data.device)
@@ -381,6 +421,7 @@ class KVPruner:
         live = sum(s.num_computed - s.num_evicted for s in self.scheduler.running)
         return {"kv_prune_evaluations": t.evaluations, "kv_prune_evicted_tokens": t.evicted_tokens,
                 "kv_prune_freed_blocks": t.freed_blocks, "kv_prune_copied_blocks": t.copied_blocks,
+                "kv_prune_copied_cached_blocks": t.copied_cached_blocks,
                 "kv_prune_unregistered_blocks": t.unregistered_blocks,
                 "kv_prune_skipped_no_space": t.skipped_no_space, "kv_live_tokens": live}
 

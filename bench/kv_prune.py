@@ -1,0 +1,207 @@
+"""KV-cache pruning quality, memory and speed on SmolLM2 (real weights), pruned vs full.
+
+    python bench/kv_prune.py [--samples 4] [--copy-samples 4] [--new-tokens 256]
+                             [--budgets 0.75 0.5 0.25] [--thresholds 0.05 0.3] [--dtype float32]
+
+Two tasks, every configuration on the same requests through the same engine:
+
+- **long-8** (``../shared/workloads/long-8.jsonl``, ~3000-token tinyshakespeare prompts): the
+  true next ``--new-tokens`` tokens of the text (the tinyshakespeare text right after the
+  prompt) are teacher-forced through the engine (a logits processor records
+  ``-log p(true token)`` and forces it); reported: mean NLL, perplexity, its change vs full.
+- **copy**: a 40-token passage (from a distant part of tinyshakespeare) planted at a random
+  depth (10-90%) in ~2000 tokens of text; the prompt ends with the passage's first 10 tokens;
+  score = fraction of the next 30 greedy tokens equal to the passage's tokens 10..39.
+
+Configurations: ``full`` (no pruning); for each budget ``b`` in ``--budgets`` (kept live
+tokens / positions, i.e. KV memory cut by ``1 - b``), the same ``max_ratio=b`` cap with the
+attention-score policy (``attention``), StreamingLLM (``streaming``: sinks + recent window)
+and ``random`` eviction, all with ``sink_tokens=4``, ``recent_tokens=64``,
+``step_interval=2`` and ``threshold=0``, so memory is the same across the three and only the
+choice of tokens differs; plus threshold-only runs (``--thresholds``, no cap) with the memory
+they reach. Memory: mean live KV tokens over the decode steps (relative to full), peak KV
+blocks of the request (includes the unpruned prefill, which decode pruning does not touch)
+and the decode-phase peak. Decode tok/s: decode time of each run (a single request, so
+every decode step is one token). The prompt's blocks are prefix-cached after the first run,
+so later runs skip most of the prefill; pruning copies those shared blocks before it
+compacts them, so cached entries stay valid. Writes bench/results/kv_prune.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import devin_compile  # noqa: E402
+from devin_compile.config import parse_dtype  # noqa: E402
+from devin_compile.models import load_model  # noqa: E402
+from devin_compile.runtime.sampling import SamplingParams  # noqa: E402
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
+WORKLOAD = os.path.join(SHARED, "workloads", "long-8.jsonl")
+TEXT = os.path.join(SHARED, "data", "tinyshakespeare.txt")
+
+
+def configs(budgets, thresholds):
+    out = [("full", None)]
+    common = dict(sink_tokens=4, recent_tokens=64, step_interval=2, threshold=0.0)
+    for b in budgets:
+        for policy in ("attention", "streaming", "random"):
+            out.append((f"{policy}@{b:g}", dict(common, policy=policy, max_ratio=b)))
+    for t in thresholds:
+        out.append((f"threshold={t:g}", dict(common, threshold=t)))
+    return out
+
+
+def run_one(engine, ids, params, forced=None):
+    """One request alone; returns (output ids, per-step NLLs, live-slot samples, metrics, decode s, decode tokens)."""
+    nll, live = [], []
+    rid_box = {}
+
+    def proc(tokens, row):
+        seq = engine.requests[rid_box["rid"]]
+        live.append(seq.num_slots)
+        if forced is None:
+            return row
+        k = len(nll)
+        lp = torch.log_softmax(row.float(), dim=-1)
+        nll.append(-float(lp[forced[k]]))
+        out = torch.full_like(row, float("-inf"))
+        out[forced[k]] = 0.0
+        return out
+
+    params.logits_processors = [proc]
+    engine.allocator.peak_used = engine.allocator.num_used
+    m0 = (engine.metrics.decode_time, engine.metrics.decode_tokens)
+    rid = engine.add_request(ids, params)
+    rid_box["rid"] = rid
+    while not engine.requests[rid].status.done:
+        engine.step()
+    seq = engine.requests[rid]
+    if seq.error:
+        raise RuntimeError(seq.error)
+    dt = engine.metrics.decode_time - m0[0]
+    dn = engine.metrics.decode_tokens - m0[1]
+    return seq.output_ids, nll, live, seq.metrics, dt, dn, engine.allocator.peak_used
+
+
+def copy_task(tok, text, n, seed):
+    rng = random.Random(seed)
+    ids_all = tok(text[:600_000], add_special_tokens=False)["input_ids"]
+    tasks = []
+    for _ in range(n):
+        h0 = rng.randrange(0, len(ids_all) // 2 - 2100)
+        hay = ids_all[h0:h0 + 2000]
+        p0 = rng.randrange(len(ids_all) // 2, len(ids_all) - 50)  # far from the haystack
+        passage = ids_all[p0:p0 + 40]
+        depth = rng.randrange(200, 1800)
+        prompt = hay[:depth] + passage + hay[depth:] + passage[:10]
+        tasks.append((prompt, passage[10:40], depth))
+    return tasks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--copy-samples", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.75, 0.5, 0.25])
+    ap.add_argument("--thresholds", type=float, nargs="*", default=[0.05, 0.3])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_prune.json"))
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    model, tok = load_model(None, parse_dtype(args.dtype))
+    opt = devin_compile.optimize(model, tokenizer=tok, num_kv_blocks=768, max_model_len=4096,
+                                 kv_prune={"enabled": False})
+    engine = opt.engine
+    bs = engine.runner.block_size
+    text = open(TEXT).read()
+    rows = [json.loads(line) for line in open(WORKLOAD)][:args.samples]
+    cfgs = configs(args.budgets, args.thresholds)
+    results: dict[str, dict] = {name: {"long": [], "copy": []} for name, _ in cfgs}
+
+    for i, r in enumerate(rows):
+        start = text.find(r["prompt"])
+        if start < 0:
+            raise SystemExit(f"{r['id']}: prompt not found in tinyshakespeare")
+        ids = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        cont = tok(text[start + len(r["prompt"]):start + len(r["prompt"]) + 4000],
+                   add_special_tokens=False)["input_ids"][:args.new_tokens]
+        for name, cfg in cfgs:
+            t0 = time.perf_counter()
+            out, nll, live, m, dt, dn, peak = run_one(
+                engine, ids, SamplingParams(max_new_tokens=len(cont), kv_prune=cfg or False), forced=cont)
+            dec_live = live[1:]  # samples taken after each decode step
+            rec = {"sample": r["id"], "prompt_tokens": len(ids), "nll": statistics.fmean(nll),
+                   "mean_live_tokens": statistics.fmean(dec_live), "final_live_tokens": live[-1],
+                   "peak_blocks": peak, "decode_peak_blocks": max(math.ceil(x / bs) for x in dec_live),
+                   "evicted_tokens": m.kv_evicted_tokens, "freed_blocks": m.kv_freed_blocks,
+                   "decode_tok_s": dn / dt if dt > 0 else float("nan")}
+            results[name]["long"].append(rec)
+            print(f"long {r['id']} {name:16s} nll {rec['nll']:.4f} live {rec['mean_live_tokens']:.0f} "
+                  f"peak {peak} blocks, decode {rec['decode_tok_s']:.1f} tok/s ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
+    for j, (prompt, target, depth) in enumerate(copy_task(tok, text, args.copy_samples, args.seed)):
+        for name, cfg in cfgs:
+            out, _, live, m, dt, dn, peak = run_one(
+                engine, prompt, SamplingParams(max_new_tokens=len(target), kv_prune=cfg or False))
+            score = sum(a == b for a, b in zip(out, target)) / len(target)
+            results[name]["copy"].append({"sample": j, "depth": depth, "prompt_tokens": len(prompt), "score": score,
+                                          "mean_live_tokens": statistics.fmean(live[1:])})
+            print(f"copy {j} {name:16s} score {score:.2f} live {statistics.fmean(live[1:]):.0f}", flush=True)
+
+    full = results["full"]
+    summary = []
+    for name, cfg in cfgs:
+        L, C = results[name]["long"], results[name]["copy"]
+        row = {"config": name, "kv_prune": cfg}
+        if L:
+            nll = statistics.fmean(x["nll"] for x in L)
+            row.update({
+                "nll": nll, "ppl": math.exp(nll),
+                "ppl_change": math.exp(nll) / math.exp(statistics.fmean(x["nll"] for x in full["long"])) - 1,
+                "kv_memory_vs_full": statistics.fmean(x["mean_live_tokens"] / y["mean_live_tokens"]
+                                                      for x, y in zip(L, full["long"])),
+                "peak_blocks": statistics.median(x["peak_blocks"] for x in L),
+                "decode_peak_blocks": statistics.median(x["decode_peak_blocks"] for x in L),
+                "decode_tok_s": statistics.median(x["decode_tok_s"] for x in L),
+            })
+        if C:
+            row["copy_score"] = statistics.fmean(x["score"] for x in C)
+            row["copy_kv_memory_vs_full"] = statistics.fmean(
+                x["mean_live_tokens"] / y["mean_live_tokens"] for x, y in zip(C, full["copy"]))
+        summary.append(row)
+    print("\n| config | KV mem vs full (long) | NLL | ppl | ppl change | copy score | KV mem (copy) | "
+          "peak blocks | decode peak blocks | decode tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in summary:
+        print(f"| {s['config']} | {s.get('kv_memory_vs_full', float('nan')):.2f} | {s.get('nll', float('nan')):.4f} | "
+              f"{s.get('ppl', float('nan')):.3f} | {100 * s.get('ppl_change', float('nan')):+.2f}% | "
+              f"{s.get('copy_score', float('nan')):.3f} | {s.get('copy_kv_memory_vs_full', float('nan')):.2f} | "
+              f"{s.get('peak_blocks', float('nan')):.0f} | {s.get('decode_peak_blocks', float('nan')):.0f} | "
+              f"{s.get('decode_tok_s', float('nan')):.1f} |")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"command": " ".join(["python"] + sys.argv), "machine": platform.processor() or platform.machine(),
+                   "threads": torch.get_num_threads(), "dtype": args.dtype,
+                   "attention_backend": engine.runner.backend.name,
+                   "note": "2-core CPU shared with other agents' jobs: timings measured under contention",
+                   "summary": summary, "runs": results, "kv_stats": engine.kv_stats()}, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
