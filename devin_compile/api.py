@@ -57,6 +57,13 @@ class OptimizedModel:
     def program(self) -> Program:
         return self.engine.runner.program
 
+    def async_engine(self) -> "AsyncEngine":
+        """An asyncio front over this model's engine, for callers that submit concurrently
+        (don't drive ``generate`` on the same model while it runs)."""
+        from .runtime.async_engine import AsyncEngine
+
+        return AsyncEngine(self.engine)
+
     def report(self) -> str:
         """One row per pass: status, time, matches, nodes before/after (markdown)."""
         return self.pass_report.as_markdown()
@@ -117,7 +124,8 @@ class OptimizedModel:
                 engine.abort(rid)
             raise ValueError(f"prompt {len(added)}: {e}") from None
         while any(not engine.requests[r].status.done for r in added):
-            engine.step()
+            if not engine.step():
+                engine.wait_for_admission()
         results = [engine._output(engine.requests[r], []) for r in added]
         failed = [r for r in results if r.error]
         if failed:

@@ -58,17 +58,31 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Continuous batching limits for one engine step."""
+    """Continuous batching limits for one engine step, and how arriving requests join.
+
+    ``step_mode``: ``"mixed"`` steps decode the running sequences and prefill (chunks of)
+    new prompts together; ``"separate"`` steps are either prefill-only (whenever prompt
+    work is pending) or decode-only. Dynamic batching: waiting requests are admitted once
+    ``min_batch_size`` of them are waiting or the oldest has waited ``max_wait_ms``,
+    whichever comes first (defaults: admit at once).
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    step_mode: str = "mixed"
+    min_batch_size: int = 1
+    max_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "min_batch_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.step_mode not in ("mixed", "separate"):
+            raise ValueError(f"step_mode={self.step_mode!r} must be 'mixed' or 'separate'")
+        if not isinstance(self.max_wait_ms, (int, float)) or isinstance(self.max_wait_ms, bool) or self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms={self.max_wait_ms!r} must be a number of milliseconds >= 0")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
 
@@ -217,6 +231,9 @@ class OptimizeConfig:
         "max_num_seqs": ("scheduler", "max_num_seqs"),
         "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
         "max_model_len": ("scheduler", "max_model_len"),
+        "step_mode": ("scheduler", "step_mode"),
+        "min_batch_size": ("scheduler", "min_batch_size"),
+        "max_wait_ms": ("scheduler", "max_wait_ms"),
     }
 
     @classmethod

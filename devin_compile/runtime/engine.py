@@ -257,8 +257,16 @@ class Engine:
                 self.abort(rid)
             raise
         while any(not self.requests[r].status.done for r in ids):
-            self.step()
+            if not self.step():
+                self.wait_for_admission()
         return [self._output(self.requests[r], []) for r in ids]
+
+    def wait_for_admission(self, limit_s: float = 0.05) -> None:
+        """Nothing ran this step because dynamic batching holds the waiting requests back:
+        sleep until the oldest one's ``max_wait_ms`` runs out (at most ``limit_s``)."""
+        sched = self.scheduler
+        if sched.waiting and not sched.running and not sched.admission_open():
+            time.sleep(max(0.0, min(limit_s, sched.admission_deadline() - time.perf_counter())))
 
     def stream(self, request_id: str) -> Iterator[int]:
         """Yield ``request_id``'s new tokens as steps produce them (drives the engine)."""
@@ -272,7 +280,8 @@ class Engine:
                 if seq.status is Status.FAILED:
                     raise RequestError(request_id, seq.error or "failed")
                 return
-            self.step()
+            if not self.step():
+                self.wait_for_admission()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (e.g. so a benchmark repeat prefills cold);

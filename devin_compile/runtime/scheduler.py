@@ -7,7 +7,13 @@ Each :meth:`Scheduler.schedule` call plans one engine step under two limits:
 1. running sequences, oldest first: one token for a decoding sequence, the next chunk
    for one still in (chunked) prefill;
 2. waiting sequences, first come first served, as far as budget, sequence cap and free
-   blocks allow; a long prompt is split into chunks across steps.
+   blocks allow; a long prompt is split into chunks across steps. With dynamic batching
+   (``min_batch_size`` > 1) they join only once enough are waiting or the oldest has
+   waited ``max_wait_ms``.
+
+``step_mode="separate"`` makes every step prefill-only (while any prompt work is
+pending: a chunk in progress or an admissible waiting request) or decode-only, instead
+of mixing both in one step.
 
 When a running sequence needs a block and none is free, the newest running sequence
 is preempted: its blocks are freed and it returns to the front of the queue, to be
@@ -26,6 +32,7 @@ registered copy.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -118,7 +125,38 @@ class Scheduler:
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
 
+    # -- dynamic batching ---------------------------------------------------
+    def admission_open(self, now: float | None = None) -> bool:
+        """Whether waiting requests may join now: ``min_batch_size`` are waiting, or the oldest
+        has waited ``max_wait_ms``. Preempted requests (recomputes) never wait."""
+        if not self.waiting:
+            return False
+        cfg = self.config
+        if cfg.min_batch_size <= 1 or self.waiting[0].metrics.preemptions:
+            return True
+        if len(self.waiting) >= cfg.min_batch_size:
+            return True
+        return self.admission_deadline() <= (time.perf_counter() if now is None else now)
+
+    def admission_deadline(self) -> float:
+        """When the oldest waiting request's ``max_wait_ms`` runs out (perf_counter seconds)."""
+        oldest = min(s.metrics.arrival for s in self.waiting)
+        return oldest + self.config.max_wait_ms / 1e3
+
+    def _prefill_pending(self) -> bool:
+        return any(s.in_prefill for s in self.running) or self.admission_open()
+
     def schedule(self) -> StepPlan:
+        if self.config.step_mode != "separate":
+            return self._schedule(None)
+        # separate steps: prefill-only while prompt work is pending, else decode-only
+        if self._prefill_pending():
+            plan = self._schedule("prefill")
+            if plan.scheduled or plan.failed or plan.preempted:
+                return plan  # (else no prompt could be admitted: no room, so decode instead)
+        return self._schedule("decode")
+
+    def _schedule(self, phase: str | None) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -126,6 +164,8 @@ class Scheduler:
             if budget == 0:
                 break
             if seq not in self.running:  # preempted earlier in this loop
+                continue
+            if phase is not None and (phase == "prefill") != seq.in_prefill:
                 continue
             n = min(seq.num_uncomputed, budget)
             while not self._grow(seq, seq.num_computed + n):
@@ -144,7 +184,8 @@ class Scheduler:
                 plan.scheduled.append(ScheduledSeq(seq, n))
                 scheduled_ids.add(seq.request_id)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        admit = phase != "decode" and self.admission_open()
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hits, entries = self._match(seq)
             hit_tokens = len(hits) * self.block_size
