@@ -1,7 +1,8 @@
 """Offline throughput on a workload file: devin-compile vs HF padded batches vs HF continuous batching.
 
     python bench/throughput.py [--workload ../shared/workloads/mixed-64.jsonl] [--dtype bfloat16]
-                               [--peers hf_cb hf_padded] [--repeats 1]
+                               [--peers hf_cb hf_padded] [--prefix-caching on|off|both]
+                               [--step-mode mixed|separate|both] [--breakdown]
 
 Every engine generates exactly each request's ``max_new_tokens`` (EOS ignored), greedy,
 same dtype, same process. Reported: generated tokens/s, prompt tokens/s, p50/p99 time
@@ -45,6 +46,7 @@ def _pct(xs: list[float], q: float) -> float:
 def run_devin(opt, work) -> dict:
     engine = opt.engine
     engine.reset_prefix_cache()
+    engine.metrics = type(engine.metrics)()
     t0 = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in work]
     while engine.has_unfinished():
@@ -52,8 +54,76 @@ def run_devin(opt, work) -> dict:
     wall = time.perf_counter() - t0
     seqs = [engine.requests[i] for i in ids]
     ttft = [s.metrics.first_token - t0 for s in seqs]
+    m = engine.metrics
     return {"wall_s": wall, "generated": sum(len(s.output_ids) for s in seqs), "ttft": ttft,
-            "outputs": [s.output_ids for s in seqs], "kv": engine.kv_stats()}
+            "outputs": [s.output_ids for s in seqs], "kv": engine.kv_stats(),
+            "steps": {"steps": m.steps, "prefill_s": m.prefill_time, "decode_s": m.decode_time,
+                      "prefill_tokens": m.prefill_tokens, "decode_tokens": m.decode_tokens,
+                      "preemptions": m.preemptions}}
+
+
+def step_breakdown(opt, work) -> dict:
+    """Where a step's time goes, from torch.profiler over a run of ``work``: attention
+    (devin::paged_attention, incl. KV writes), linear layers (oneDNN/aten GEMMs outside
+    attention), the other graph ops, sampling, and the scheduler + Python bookkeeping."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine = opt.engine
+    sched, runner = engine.scheduler, engine.runner
+    orig = (sched.schedule, runner.execute, engine._sample)
+
+    def wrap(fn, label):
+        def inner(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return inner
+
+    sched.schedule, runner.execute, engine._sample = (wrap(orig[0], "bd::schedule"), wrap(orig[1], "bd::execute"),
+                                                      wrap(orig[2], "bd::sample"))
+    try:
+        engine.reset_prefix_cache()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for p, n in work:
+                engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            wall = time.perf_counter() - t0
+    finally:
+        sched.schedule, runner.execute, engine._sample = orig
+    total = {e.key: e.cpu_time_total for e in prof.key_averages()}
+    self_t = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    us = 1e-6
+    attention = total.get("devin::paged_attention", 0) * us
+    linear = sum(self_t.get(k, 0) for k in ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear",
+                                            "aten::_weight_int4pack_mm_for_cpu", "devin::int4_linear")) * us
+    execute = total.get("bd::execute", 0) * us
+    sample = total.get("bd::sample", 0) * us
+    schedule = total.get("bd::schedule", 0) * us
+    parts = {"attention": attention, "linear": linear, "other_graph_ops": max(0.0, execute - attention - linear),
+             "sampling": sample, "scheduler": schedule}
+    parts["python_and_bookkeeping"] = max(0.0, wall - sum(parts.values()))
+    return {"profiled_wall_s": wall, "requests": len(work),
+            "fractions": {k: v / wall for k, v in parts.items()}, "seconds": parts}
+
+
+def roofline(model, work, bytes_per_token: int, dtype: torch.dtype, steps: int) -> dict:
+    """A lower bound on the run time from this CPU's limits (2.4 TFLOP/s bf16 matmul, 27 GB/s):
+    GEMM FLOPs for every token, and bytes = weights once per step + every decode step's KV reads."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    emb = model.get_input_embeddings().weight
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings().weight.numel()
+    decoder = linear_params - head
+    prompt = sum(len(p) for p, _ in work)
+    gen = sum(n for _, n in work)
+    flops = 2 * decoder * (prompt + gen) + 2 * head * gen
+    kv_read = sum(sum(len(p) + i for i in range(n)) for p, n in work) * bytes_per_token
+    weight_bytes = (decoder + head) * elt
+    bytes_ = weight_bytes * steps + kv_read
+    return {"flop_bound_s": flops / 2.4e12, "bandwidth_bound_s": bytes_ / 27e9,
+            "lower_bound_s": max(flops / 2.4e12, bytes_ / 27e9), "flops": flops, "bytes": bytes_,
+            "embedding_params": emb.numel()}
 
 
 def _no_eos_config(model, n: int):
@@ -121,6 +191,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
                     help="'both' also runs devin-compile with prefix caching off (row devin_nocache)")
+    ap.add_argument("--step-mode", choices=["mixed", "separate", "both"], default="mixed",
+                    help="'both' also runs separate prefill-only / decode-only steps (row devin_separate)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="profile a second devin run and report where step time goes")
     args = ap.parse_args()
 
     dtype = parse_dtype(args.dtype)
@@ -128,14 +202,21 @@ def main() -> None:
     work = load_workload(args.workload, tok)
     prompt_tokens = sum(len(p) for p, _ in work)
     results = {}
-    for label, caching in (("devin", True), ("devin_nocache", False)):
-        if args.prefix_caching == ("off" if caching else "on"):
-            continue
+    variants = [("devin", True, "mixed" if args.step_mode != "separate" else "separate")]
+    if args.prefix_caching == "both":
+        variants.append(("devin_nocache", False, variants[0][2]))
+    elif args.prefix_caching == "off":
+        variants = [("devin_nocache", False, variants[0][2])]
+    if args.step_mode == "both":
+        variants.append(("devin_separate", args.prefix_caching != "off", "separate"))
+    opt = None
+    for label, caching, mode in variants:
         opt = devin_compile.optimize(model, tokenizer=tok, max_num_seqs=args.max_num_seqs,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
-                                     enable_prefix_caching=caching)
+                                     enable_prefix_caching=caching, step_mode=mode)
         run_devin(opt, work[:4])  # warm-up
         results[label] = run_devin(opt, work)
+    breakdown = step_breakdown(opt, work) if args.breakdown else None
     for peer in args.peers:
         fn = {"hf_cb": run_hf_cb, "hf_padded": run_hf_padded}[peer]
         try:
@@ -160,16 +241,30 @@ def main() -> None:
         p99 = f"{row['ttft_p99_ms']:12.0f}" if row["ttft_p99_ms"] is not None else f"{'-':>12}"
         print(f"{label:12} {row['gen_tok_s']:10.1f} {row['prompt_tok_s']:13.1f} {p50} {p99} {row['wall_s']:8.1f}")
     ours = "devin" if "devin" in table else "devin_nocache"
-    for peer in [*args.peers, "devin_nocache"]:
+    for peer in [*args.peers, "devin_nocache", "devin_separate"]:
         if peer != ours and "gen_tok_s" in table.get(peer, {}):
             print(f"{ours} / {peer}: {table[ours]['gen_tok_s'] / table[peer]['gen_tok_s']:.2f}x generated tokens/s")
-    for label in ("devin", "devin_nocache"):
+    for label in ("devin", "devin_nocache", "devin_separate"):
         if label in results:
             kv = results[label]["kv"]
-            table[label]["kv"] = {k: kv[k] for k in ("blocks_total", "blocks_used_peak", "bytes_per_token",
-                                                     "prefix_hit_tokens", "live_slot_fraction")}
+            table[label]["kv"] = {k: kv[k] for k in ("blocks_total", "blocks_used_peak", "bytes_per_token", "pool_bytes",
+                                                     "prefix_hit_tokens", "mean_live_slot_fraction")}
+            table[label]["steps"] = results[label]["steps"]
             table[label]["ttft_mean_ms"] = 1e3 * statistics.mean(results[label]["ttft"])
             print(f"{label} KV: {table[label]['kv']}, mean TTFT {table[label]['ttft_mean_ms']:.0f} ms")
+            print(f"{label} steps: {table[label]['steps']}")
+    ours_steps = results[ours]["steps"]["steps"]
+    bound = roofline(model, work, results[ours]["kv"]["bytes_per_token"], dtype, ours_steps)
+    bound["measured_s"] = table[ours]["wall_s"]
+    bound["gap"] = table[ours]["wall_s"] / bound["lower_bound_s"]
+    table["roofline"] = bound
+    print(f"machine limit for this run ({ours_steps} steps): >= {bound['lower_bound_s']:.1f} s "
+          f"(FLOPs {bound['flop_bound_s']:.1f} s, bytes {bound['bandwidth_bound_s']:.1f} s); measured "
+          f"{bound['measured_s']:.1f} s = {bound['gap']:.1f}x the bound")
+    if breakdown is not None:
+        table["breakdown"] = breakdown
+        print("step time breakdown (profiled run, " + f"{breakdown['profiled_wall_s']:.1f} s): " +
+              ", ".join(f"{k} {100 * v:.0f}%" for k, v in breakdown["fractions"].items()))
     out = os.path.join(HERE, "results", f"throughput-{name}-{args.dtype}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

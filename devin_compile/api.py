@@ -221,6 +221,9 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
                                 memory_bytes=config.cache.memory_bytes, memory_fraction=config.cache.memory_fraction)
     cache = PagedKVCache(spec, nblocks, info.device)
     backend = select_attention_backend(info.device, config.attention_backend)
+    if config.warmup and hasattr(backend, "warm_up"):
+        backend.warm_up(dtype=info.dtype, num_kv_heads=info.num_kv_heads, num_heads=info.num_heads,
+                        head_dim=info.head_dim)
     runner = ModelRunner(program, cache, vocab_size=info.vocab_size, backend=backend, device=info.device)
     engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                     tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,

@@ -110,6 +110,7 @@ class KVPruneConfig:
     policy: str = "attention"
     seed: int = 0
     prefill_window: int = 0  # > 0: SnapKV-style, the prompt's last N queries score it and it is pruned once at once
+    pool_kernel: int = 1  # > 1: a token's score is the max over this many neighbouring positions (keeps spans)
     enabled: bool = True
 
     POLICIES = ("attention", "streaming", "random")
@@ -140,6 +141,9 @@ class KVPruneConfig:
             v = self.max_ratio
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
                 raise ValueError(f"kv_prune.max_ratio={v!r} must be in (0, 1] (live tokens / positions) or None")
+        if isinstance(self.pool_kernel, bool) or not isinstance(self.pool_kernel, int) or self.pool_kernel < 1 \
+                or self.pool_kernel % 2 == 0:
+            raise ValueError(f"kv_prune.pool_kernel={self.pool_kernel!r} must be an odd integer >= 1 (1: no pooling)")
         if self.policy not in self.POLICIES:
             raise ValueError(f"kv_prune.policy={self.policy!r} is unknown; valid: {list(self.POLICIES)}")
         if self.policy != "attention" and not self.has_cap:
@@ -188,6 +192,8 @@ class OptimizeConfig:
     fuse_projections: bool = True
     prepack_linear: bool = True
     split_phases: bool = True
+    # Compile/prepare backend kernels in optimize() rather than in the first step that needs them.
+    warmup: bool = True
     # Decode batch sizes the decode graph is specialised for; static-shape decode callables
     # (CUDA Graphs, ahead-compiled CPU decode) exist per bucket, batches pad up to one.
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -152,3 +152,15 @@ def test_async_bad_request_and_cancellation_leave_others_running(opt, hf):  # no
     out = asyncio.run(main())
     assert out.output_ids == hf(p, 6)
     assert_pool_empty(engine)
+
+
+def test_memory_accounting(opt):
+    engine = make_engine(opt, 64)
+    engine.generate([prompt_of(n, 500 + n) for n in (5, 9, 14, 3)], greedy(7))
+    st = engine.kv_stats()
+    info = opt.info
+    assert st["bytes_per_token"] == 2 * info.num_layers * info.num_kv_heads * info.head_dim * 4  # fp32 K and V
+    assert st["pool_bytes"] == 64 * 4 * st["bytes_per_token"]
+    # blocks of 4 slots: a sequence wastes at most 3 slots, so the mean live fraction is high but < 1
+    assert 0.5 < st["mean_live_slot_fraction"] < 1.0
+    assert engine.metrics.allocated_slots_sampled > 0

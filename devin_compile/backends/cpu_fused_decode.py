@@ -48,6 +48,16 @@ _compiled = None
 _failed = False
 
 
+def warm_up(dtype: torch.dtype, num_kv_heads: int, num_heads: int, head_dim: int) -> bool:
+    """Compile the kernel now (for this dtype and head layout) instead of in the first large
+    decode step; returns whether the fused kernel is available. Later shapes reuse it."""
+    kc = torch.zeros(4, 16, num_kv_heads, head_dim, dtype=dtype)
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype)
+    flat = torch.arange(64).view(2, 32)
+    lens = torch.tensor([32, 20])
+    return fused_decode_attention(q, kc, kc, flat, lens, head_dim ** -0.5) is not None
+
+
 def fused_decode_attention(q, k_cache, v_cache, flat, lens, scale: float) -> torch.Tensor | None:
     """See the module docstring; ``k_cache``/``v_cache`` are the [blocks, block_size, Hkv, D] pool.
     None when Inductor is unavailable here (the caller then uses its own path)."""

@@ -148,6 +148,10 @@ class CpuSdpaBackend:
     def supports(self, *, dtype, head_dim, softcap, sliding_window, block_size=None) -> bool:
         return softcap <= 0
 
+    def warm_up(self, *, dtype, num_kv_heads, num_heads, head_dim) -> None:
+        """Compile the fused decode kernel before the first step that needs it."""
+        cpu_fused_decode.warm_up(dtype, num_kv_heads, num_heads, head_dim)
+
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
         write_kv(k, v, k_cache, v_cache, meta)
         decode_rows = [] if sliding_window > 0 else [b for b, n in enumerate(meta.query_lens_host) if n == 1]

@@ -59,7 +59,19 @@ class EngineMetrics:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    # KV memory accounting, sampled every SLOT_SAMPLE_EVERY steps: live tokens vs allocated slots
+    live_slots_sampled: int = 0
+    allocated_slots_sampled: int = 0
     extra: dict = field(default_factory=dict)
+
+    @property
+    def mean_live_slot_fraction(self) -> float:
+        """Over the run: of the KV slots allocated to requests, the fraction holding live tokens."""
+        s = self.allocated_slots_sampled
+        return self.live_slots_sampled / s if s else 1.0
+
+
+SLOT_SAMPLE_EVERY = 8
 
 
 class Engine:
@@ -160,6 +172,10 @@ class Engine:
             tokens = self._sample(logits, sampled)
         dt = time.perf_counter() - t0
         self.metrics.steps += 1
+        if self.metrics.steps % SLOT_SAMPLE_EVERY == 1:
+            live, allocated = self._slot_usage()
+            self.metrics.live_slots_sampled += live
+            self.metrics.allocated_slots_sampled += allocated
         if is_decode:
             self.metrics.decode_time += dt
             self.metrics.decode_tokens += plan.num_tokens
@@ -288,6 +304,16 @@ class Engine:
         returns how many were dropped. Blocks held by running requests stay registered."""
         return self.allocator.evict_cached()
 
+    def _slot_usage(self) -> tuple[int, int]:
+        """(slots holding live tokens, slots in blocks held by requests); a shared block counts once."""
+        bs = self.runner.block_size
+        filled: dict[int, int] = {}
+        for s in self.scheduler.running:
+            for j, b in enumerate(s.block_table):
+                n = max(0, min(bs, s.num_computed - s.num_evicted - j * bs))
+                filled[b] = max(filled.get(b, 0), n)
+        return sum(filled.values()), len(filled) * bs
+
     def kv_stats(self) -> dict:
         """Pool occupancy and prefix-cache counters.
 
@@ -295,19 +321,14 @@ class Engine:
         ``blocks_cached`` counts every registered block, referenced or not.
         """
         a = self.allocator
-        bs = self.runner.block_size
-        filled: dict[int, int] = {}  # block → slots holding live tokens (a shared block counts once)
-        for s in self.scheduler.running:
-            for j, b in enumerate(s.block_table):
-                n = min(bs, s.num_computed - s.num_evicted - j * bs)
-                if n > filled.get(b, 0):
-                    filled[b] = n
-        slots = a.num_used * bs
+        live, slots = self._slot_usage()
         stats = {
             "blocks_total": a.num_blocks, "blocks_used": a.num_used, "blocks_free": a.num_free,
             "blocks_used_peak": a.peak_used,
             "bytes_per_token": self.runner.kv_cache.spec.bytes_per_token,
-            "live_slot_fraction": (sum(filled.values()) / slots) if slots else 1.0,
+            "pool_bytes": a.num_blocks * self.runner.block_size * self.runner.kv_cache.spec.bytes_per_token,
+            "live_slot_fraction": (live / slots) if slots else 1.0,
+            "mean_live_slot_fraction": self.metrics.mean_live_slot_fraction,
             "prefix_caching": self.prefix_cache is not None,
             "blocks_cached": 0, "blocks_cached_free": 0,
             "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0,
