@@ -110,7 +110,7 @@ class KVPruneConfig:
     policy: str = "attention"
     seed: int = 0
     prefill_window: int = 0  # > 0: SnapKV-style, the prompt's last N queries score it and it is pruned once at once
-    pool_kernel: int = 1  # > 1: a token's score is the max over this many neighbouring positions (keeps spans)
+    pool_kernel: int = 1  # > 1: a token's score is the max over it and the kernel-1 tokens before it (keeps spans)
     enabled: bool = True
 
     POLICIES = ("attention", "streaming", "random")
@@ -141,9 +141,8 @@ class KVPruneConfig:
             v = self.max_ratio
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
                 raise ValueError(f"kv_prune.max_ratio={v!r} must be in (0, 1] (live tokens / positions) or None")
-        if isinstance(self.pool_kernel, bool) or not isinstance(self.pool_kernel, int) or self.pool_kernel < 1 \
-                or self.pool_kernel % 2 == 0:
-            raise ValueError(f"kv_prune.pool_kernel={self.pool_kernel!r} must be an odd integer >= 1 (1: no pooling)")
+        if isinstance(self.pool_kernel, bool) or not isinstance(self.pool_kernel, int) or self.pool_kernel < 1:
+            raise ValueError(f"kv_prune.pool_kernel={self.pool_kernel!r} must be an integer >= 1 (1: no pooling)")
         if self.policy not in self.POLICIES:
             raise ValueError(f"kv_prune.policy={self.policy!r} is unknown; valid: {list(self.POLICIES)}")
         if self.policy != "attention" and not self.has_cap:
@@ -194,6 +193,9 @@ class OptimizeConfig:
     split_phases: bool = True
     # Compile/prepare backend kernels in optimize() rather than in the first step that needs them.
     warmup: bool = True
+    # CPU: compile the decode graph ahead with Inductor, one callable per decode bucket
+    # (costs ~35 s per model in optimize(); see passes/compile_decode.py).
+    compile_decode: bool = False
     # Decode batch sizes the decode graph is specialised for; static-shape decode callables
     # (CUDA Graphs, ahead-compiled CPU decode) exist per bucket, batches pad up to one.
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -215,6 +217,11 @@ class OptimizeConfig:
                 raise ValueError(
                     f"attention_backend={self.attention_backend!r} is unknown; valid: {backend_names()}"
                 )
+        for flag in ("compile_decode", "warmup", "split_phases"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}={getattr(self, flag)!r} must be True or False")
+        if self.compile_decode and not self.split_phases:
+            raise ValueError("compile_decode=True needs split_phases=True (it compiles the decode graph)")
         buckets = self.decode_buckets
         if (not isinstance(buckets, (list, tuple)) or not buckets
                 or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
+from .compile_decode import CompileDecode
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
@@ -20,14 +21,16 @@ def default_passes(config, info) -> list:
         passes.append(FuseRotary())
     if config.fuse_projections:
         passes.append(FuseProjections())
-    if config.prepack_linear:
-        passes.append(PrepackLinear())
     if config.split_phases:
         passes.append(SplitPhases(config.decode_buckets))
     if getattr(config, "kv_prune", None) is not None:
         passes.append(InsertKVPrune())
+    if config.prepack_linear:
+        passes.append(PrepackLinear())
     passes.append(Cleanup())
+    if config.compile_decode:
+        passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs))
     return passes
 
 
-__all__ = ["AttentionToPaged", "Cleanup", "FuseProjections", "FuseRMSNorm", "FuseRotary", "InsertKVPrune", "PrepackLinear", "SplitPhases", "default_passes"]
+__all__ = ["AttentionToPaged", "Cleanup", "CompileDecode", "FuseProjections", "FuseRMSNorm", "FuseRotary", "InsertKVPrune", "PrepackLinear", "SplitPhases", "default_passes"]

@@ -10,7 +10,9 @@ step's GEMM/GEMV skips the per-call reorder that ``aten.linear`` pays. On this
 machine that is 1.5-3x faster per linear in bf16 at one token, bit-identical in bf16,
 and equal to fp32 rounding in fp32. The packed weight replaces the dense one (a
 weight still read elsewhere, e.g. an embedding tied to lm_head, is kept as well).
-Skipped (with the reason in the report) off CPU or without oneDNN.
+Skipped (with the reason in the report) off CPU or without oneDNN. The prefill and
+decode graphs share weights, and share each packed copy too (packed once per program);
+with ``compile_decode`` the decode graph stays dense for Inductor, which packs it itself.
 """
 from __future__ import annotations
 
@@ -46,8 +48,12 @@ class PrepackLinear(Pass):
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
+        if phase == "decode" and getattr(ctx.config, "compile_decode", False):
+            return PassResult(note="decode graph left dense: compile_decode packs its weights (Inductor freezing)")
         graph = gm.graph
         packed: dict[str, str] = {}  # dense attr → packed attr (shared weights pack once)
+        # packed tensors by dense weight, shared by every graph of the program (prefill and decode)
+        shared: dict[int, torch.Tensor] = ctx.extras.setdefault("prepacked_weights", {})
         count = 0
         for node in list(graph.nodes):
             if not is_call(node, aten.linear.default):
@@ -59,7 +65,9 @@ class PrepackLinear(Pass):
             bias = node.args[2] if len(node.args) > 2 else None
             if w_node.target not in packed:
                 attr = f"packed_{len(packed)}_" + w_node.target.replace(".", "_")
-                gm.register_buffer(attr, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), persistent=False)
+                if id(w) not in shared:
+                    shared[id(w)] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+                gm.register_buffer(attr, shared[id(w)], persistent=False)
                 packed[w_node.target] = attr
             with graph.inserting_before(node):
                 wp = graph.get_attr(packed[w_node.target])

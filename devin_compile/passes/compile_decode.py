@@ -1,0 +1,87 @@
+"""compile_decode (CPU): the decode graph → one ahead-compiled Inductor callable per bucket.
+
+Pattern → replacement::
+
+    Program.graphs["decode"] (FX, one Python dispatch per op)
+        →  Program.decode_callables = {bucket: compiled}  (Inductor C++ kernels, one call)
+
+The decode graph is compiled by Inductor with freezing (weights are constants it
+pre-packs for oneDNN, like ``prepack_linear`` does for the eager graphs) and a
+symbolic token dimension, then run once per decode bucket on a scratch KV cache, so
+every compile happens here, in ``optimize()``, not in the first steps of serving. At
+run time the runner pads a decode batch up to its bucket (dummy tokens write to slot
+-1, i.e. nowhere) and calls that bucket's callable; batches above the largest bucket
+run the uncompiled decode graph. ``devin::`` ops stay opaque calls inside the compiled
+code, and read their block tables and sequence lengths from the per-step context as
+before, so the compiled code holds no runtime state.
+
+Why one symbolic compile and not one static compile per bucket: on this CPU a compile of
+SmolLM2's decode graph takes ~35 s, so eight static ones would cost minutes; with the
+token dimension symbolic, batch 1 and batch >= 2 are the only two compiles (Inductor
+specialises size 1), and every bucket reuses them. This is the CPU counterpart of
+``wrap_cuda_graphs`` (CUDA Graphs per bucket on GPU), which is not built yet.
+
+Invariant: for every bucket, the compiled callable returns the decode graph's logits
+(greedy tokens identical in float32; tested).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..pipeline import Pass, PassContext, PassError, PassResult, Program
+
+
+class CompileDecode(Pass):
+    name = "compile_decode"
+    requires = ("split_phases",)
+
+    def __init__(self, decode_buckets: tuple[int, ...], max_num_seqs: int) -> None:
+        super().__init__()
+        # buckets the scheduler can reach (max_num_seqs caps a decode batch), plus the first above it
+        reach = [b for b in decode_buckets if b < max_num_seqs]
+        above = [b for b in decode_buckets if b >= max_num_seqs]
+        self.buckets = tuple(reach + above[:1])
+
+    def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
+        if ctx.info.device.type != "cpu":
+            return f"CPU only; on {ctx.info.device.type} decode would need CUDA Graphs (wrap_cuda_graphs, not built)"
+        if "decode" not in program.graphs:
+            return "no decode graph (split_phases is off)"
+        return None
+
+    def run(self, program: Program, ctx: PassContext) -> PassResult:
+        gm = program.graphs["decode"]
+        t0 = time.perf_counter()
+        with torch._inductor.config.patch(freezing=True):
+            compiled = torch.compile(gm, dynamic=True, fullgraph=True)
+            try:
+                for b in self.buckets:
+                    _warm(compiled, ctx.info, b)
+            except Exception as e:  # noqa: BLE001  (report which compile failed, with the cause)
+                raise PassError(f"compile_decode: Inductor could not compile the decode graph "
+                                f"({type(e).__name__}: {e}); run optimize(..., compile_decode=False)") from e
+        program.decode_callables = {b: compiled for b in self.buckets}
+        dt = time.perf_counter() - t0
+        return PassResult(matches=len(self.buckets),
+                          note=f"Inductor (freezing, symbolic batch) for buckets {list(self.buckets)}; "
+                               f"compiled and warmed in {dt:.1f} s")
+
+
+def _warm(fn, info, batch: int) -> None:
+    """Run ``fn`` once at ``batch`` decode tokens on a scratch cache (compiles on first sight)."""
+    from ..backends.registry import select_attention_backend
+    from ..runtime.context import AttentionMetadata, StepContext, step_context
+    from ..runtime.kv_cache import KVCacheSpec, PagedKVCache
+
+    dev = info.device
+    spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, 16)
+    cache = PagedKVCache(spec, batch, dev)
+    meta = AttentionMetadata.build([1] * batch, [1] * batch, [[b] for b in range(batch)],
+                                   [b * 16 for b in range(batch)], dev)
+    ids = torch.zeros((1, batch), dtype=torch.long, device=dev)
+    pos = torch.zeros((1, batch), dtype=torch.long, device=dev)
+    idx = torch.arange(batch, device=dev)
+    with torch.inference_mode(), step_context(StepContext(meta, cache, select_attention_backend(dev))):
+        fn(ids, pos, idx)
