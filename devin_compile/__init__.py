@@ -9,6 +9,7 @@ from .api import OptimizedModel, optimize
 from .capture import UnsupportedModelError
 from .config import OptimizeConfig
 from .pipeline import PassError
+from .offload import pipeline_offload
 from .runtime.async_engine import AsyncEngine
 from .runtime.engine import Engine, RequestError
 from .config import KVPruneConfig
@@ -19,7 +20,7 @@ from .runtime.sampling import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncEngine",
+    "AsyncEngine", "pipeline_offload",
     "optimize", "OptimizedModel", "OptimizeConfig", "SamplingParams", "Engine", "UnsupportedModelError",
     "PassError", "RequestError", "KVCacheExhaustedError", "KVPruneConfig", "enable_kv_pruning", "__version__",
 ]

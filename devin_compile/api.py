@@ -12,6 +12,7 @@ from .backends.registry import get_backend, select_attention_backend
 from .capture import ModelInfo, capture, model_info
 from .config import OptimizeConfig
 from .passes import default_passes
+from .passes.offload_embeddings import check_offload_layers
 from .pipeline import PassContext, PassManager, PassReport, Probe, Program
 from .runtime.context import AttentionMetadata, StepContext, step_context
 from .runtime.engine import Engine, RequestError, RequestOutput
@@ -205,6 +206,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     config = OptimizeConfig.from_kwargs(options)
     t0 = time.perf_counter()
     info = model_info(model)  # fail fast on unsupported models, before any copy
+    offload_roles = set(check_offload_layers(model, list(config.offload_layers)).values())
     if config.dtype is not None and next(model.parameters()).dtype != config.dtype:
         model = copy.deepcopy(model).to(config.dtype)
     if config.device is not None and next(model.parameters()).device != torch.device(config.device):
@@ -215,7 +217,8 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     program = Program({"main": gm})
     ctx = PassContext(info=info, config=config)
     probe = make_probe(info, info.device) if config.verify else None
-    report = PassManager(default_passes(config, info), dump_dir=config.dump_dir, probe=probe).run(program, ctx)
+    report = PassManager(default_passes(config, info, offload_roles), dump_dir=config.dump_dir,
+                         probe=probe).run(program, ctx)
     spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, config.cache.block_size)
     nblocks = blocks_for_budget(spec, info.device, num_blocks=config.cache.num_blocks,
                                 memory_bytes=config.cache.memory_bytes, memory_fraction=config.cache.memory_fraction)

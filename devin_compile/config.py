@@ -110,7 +110,7 @@ class KVPruneConfig:
     policy: str = "attention"
     seed: int = 0
     prefill_window: int = 0  # > 0: SnapKV-style, the prompt's last N queries score it and it is pruned once at once
-    pool_kernel: int = 1  # > 1: a token's score is the max over it and the kernel-1 tokens before it (keeps spans)
+    pool_kernel: int = 32  # > 1: a token's score is the max over it and the kernel-1 tokens before it (keeps spans)
     enabled: bool = True
 
     POLICIES = ("attention", "streaming", "random")
@@ -196,6 +196,8 @@ class OptimizeConfig:
     # CPU: compile the decode graph ahead with Inductor, one callable per decode bucket
     # (costs ~35 s per model in optimize(); see passes/compile_decode.py).
     compile_decode: bool = False
+    # Modules to run on the CPU while the rest runs on the accelerator, e.g. ("embed_tokens", "lm_head").
+    offload_layers: tuple[str, ...] = ()
     # Decode batch sizes the decode graph is specialised for; static-shape decode callables
     # (CUDA Graphs, ahead-compiled CPU decode) exist per bucket, batches pad up to one.
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -8,12 +8,13 @@ from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
 from .insert_kv_prune import InsertKVPrune
+from .offload_embeddings import OffloadEmbeddings
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
 
 
-def default_passes(config, info) -> list:
-    """The optimize() pipeline, in order."""
+def default_passes(config, info, offload_roles: set[str] = frozenset()) -> list:
+    """The optimize() pipeline, in order (``offload_roles``: validated ``offload_layers`` roles)."""
     passes = [AttentionToPaged()]
     if config.fuse_rms_norm:
         passes.append(FuseRMSNorm())
@@ -25,6 +26,8 @@ def default_passes(config, info) -> list:
         passes.append(SplitPhases(config.decode_buckets))
     if getattr(config, "kv_prune", None) is not None:
         passes.append(InsertKVPrune())
+    if offload_roles:
+        passes.append(OffloadEmbeddings(offload_roles))
     if config.prepack_linear:
         passes.append(PrepackLinear())
     passes.append(Cleanup())
@@ -33,4 +36,4 @@ def default_passes(config, info) -> list:
     return passes
 
 
-__all__ = ["AttentionToPaged", "Cleanup", "CompileDecode", "FuseProjections", "FuseRMSNorm", "FuseRotary", "InsertKVPrune", "PrepackLinear", "SplitPhases", "default_passes"]
+__all__ = ["AttentionToPaged", "Cleanup", "CompileDecode", "FuseProjections", "FuseRMSNorm", "FuseRotary", "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "default_passes"]
