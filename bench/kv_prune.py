@@ -52,18 +52,21 @@ WORKLOAD = os.path.join(SHARED, "workloads", "long-8.jsonl")
 TEXT = os.path.join(SHARED, "data", "tinyshakespeare.txt")
 
 
-def configs(budgets, thresholds):
+def configs(budgets, thresholds, window, pool=1, threshold_pool=1):
     out = [("full", None)]
-    common = dict(sink_tokens=4, recent_tokens=64, step_interval=2, threshold=0.0)
+    common = dict(sink_tokens=4, recent_tokens=64, step_interval=2, threshold=0.0, prefill_window=window)
     for b in budgets:
         for policy in ("attention", "streaming", "random"):
-            out.append((f"{policy}@{b:g}", dict(common, policy=policy, max_ratio=b)))
+            extra = {"pool_kernel": pool} if policy == "attention" else {}
+            out.append((f"{policy}@{b:g}", dict(common, policy=policy, max_ratio=b, **extra)))
+    if 0.5 in budgets and window:
+        out.append(("attention-decode-only@0.5", dict(common, max_ratio=0.5, prefill_window=0)))
     for t in thresholds:
-        out.append((f"threshold={t:g}", dict(common, threshold=t)))
+        out.append((f"threshold={t:g}", dict(common, threshold=t, pool_kernel=threshold_pool)))
     return out
 
 
-def run_one(engine, ids, params, forced=None):
+def run_one(engine, ids, params, forced=None, observe=None):
     """One request alone; returns (output ids, per-step NLLs, live-slot samples, metrics, decode s, decode tokens)."""
     nll, live = [], []
     rid_box = {}
@@ -71,6 +74,8 @@ def run_one(engine, ids, params, forced=None):
     def proc(tokens, row):
         seq = engine.requests[rid_box["rid"]]
         live.append(seq.num_slots)
+        if observe is not None:
+            observe(tokens, row)
         if forced is None:
             return row
         k = len(nll)
@@ -117,20 +122,34 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.75, 0.5, 0.25])
     ap.add_argument("--thresholds", type=float, nargs="*", default=[0.05, 0.3])
+    ap.add_argument("--window", type=int, default=32, help="prefill_window (SnapKV observation window) of the pruned runs")
+    ap.add_argument("--pool", type=int, default=32, help="pool_kernel of the attention runs")
+    ap.add_argument("--threshold-pool", type=int, default=1,
+                    help="pool_kernel of the threshold-only runs (pooling raises scores, so it cuts less per threshold)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: OpenMP barriers on a busy 2-core box cost ms)")
+    ap.add_argument("--configs", nargs="*", default=None, help="run only these configuration names")
+    ap.add_argument("--speed-repeats", type=int, default=4,
+                    help="decode tok/s phase: full / attention@0.5 / streaming@0.5 alternated this many times")
+    ap.add_argument("--speed-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_prune.json"))
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     model, tok = load_model(None, parse_dtype(args.dtype))
+    # No prefix caching: every run prefills cold, so decode tok/s compares like with like
+    # (copied shared blocks would also break the single-view fast path of CPU decode).
     opt = devin_compile.optimize(model, tokenizer=tok, num_kv_blocks=768, max_model_len=4096,
-                                 kv_prune={"enabled": False})
+                                 kv_prune={"enabled": False}, enable_prefix_caching=False)
     engine = opt.engine
     bs = engine.runner.block_size
     text = open(TEXT).read()
     rows = [json.loads(line) for line in open(WORKLOAD)][:args.samples]
-    cfgs = configs(args.budgets, args.thresholds)
+    cfgs = configs(args.budgets, args.thresholds, args.window, args.pool, args.threshold_pool)
+    if args.configs:
+        cfgs = [c for c in cfgs if c[0] in args.configs]
     results: dict[str, dict] = {name: {"long": [], "copy": []} for name, _ in cfgs}
 
     for i, r in enumerate(rows):
@@ -156,12 +175,38 @@ def main() -> None:
                   flush=True)
     for j, (prompt, target, depth) in enumerate(copy_task(tok, text, args.copy_samples, args.seed)):
         for name, cfg in cfgs:
-            out, _, live, m, dt, dn, peak = run_one(
-                engine, prompt, SamplingParams(max_new_tokens=len(target), kv_prune=cfg or False))
-            score = sum(a == b for a, b in zip(out, target)) / len(target)
-            results[name]["copy"].append({"sample": j, "depth": depth, "prompt_tokens": len(prompt), "score": score,
+            # teacher-forced: each of the 30 tokens predicted (argmax) given the true preceding ones
+            hits = []
+
+            def argmax_hit(tokens, row, hits=hits):
+                hits.append(int(row.argmax()) == target[len(hits)])
+                return row
+
+            _, _, live, m, dt, dn, peak = run_one(
+                engine, prompt, SamplingParams(max_new_tokens=len(target), kv_prune=cfg or False),
+                forced=target, observe=argmax_hit)
+            forced_score = sum(hits) / len(target)
+            # free running: greedy tokens compared position by position (one miss derails the rest)
+            out, _, _, _, _, _, _ = run_one(engine, prompt, SamplingParams(max_new_tokens=len(target),
+                                                                           kv_prune=cfg or False))
+            greedy = sum(a == b for a, b in zip(out, target)) / len(target)
+            results[name]["copy"].append({"sample": j, "depth": depth, "prompt_tokens": len(prompt),
+                                          "score": forced_score, "greedy_score": greedy,
                                           "mean_live_tokens": statistics.fmean(live[1:])})
-            print(f"copy {j} {name:16s} score {score:.2f} live {statistics.fmean(live[1:]):.0f}", flush=True)
+            print(f"copy {j} {name:16s} teacher-forced {forced_score:.2f} greedy {greedy:.2f} "
+                  f"live {statistics.fmean(live[1:]):.0f}", flush=True)
+
+    # Decode speed at ~3000 context: configurations alternated, so load drift hits them alike.
+    speed: dict[str, list] = {}
+    speed_cfgs = [c for c in configs([0.5], [], args.window, args.pool) if c[0] in ("full", "attention@0.5", "streaming@0.5")]
+    ids0 = tok(rows[0]["prompt"], add_special_tokens=False)["input_ids"] if rows else None
+    for rep in range(args.speed_repeats if ids0 else 0):
+        for name, cfg in speed_cfgs:
+            _, _, live, _, dt, dn, _ = run_one(engine, ids0, SamplingParams(max_new_tokens=args.speed_tokens,
+                                                                            kv_prune=cfg or False, ignore_eos=True))
+            speed.setdefault(name, []).append(dn / dt)
+            print(f"speed rep {rep} {name:16s} {dn / dt:.1f} decode tok/s (live {live[-1]})", flush=True)
+    speed_rows = {name: {"decode_tok_s_median": statistics.median(v), "runs": v} for name, v in speed.items()}
 
     full = results["full"]
     summary = []
@@ -181,25 +226,31 @@ def main() -> None:
             })
         if C:
             row["copy_score"] = statistics.fmean(x["score"] for x in C)
+            row["copy_greedy_score"] = statistics.fmean(x["greedy_score"] for x in C)
             row["copy_kv_memory_vs_full"] = statistics.fmean(
                 x["mean_live_tokens"] / y["mean_live_tokens"] for x, y in zip(C, full["copy"]))
         summary.append(row)
-    print("\n| config | KV mem vs full (long) | NLL | ppl | ppl change | copy score | KV mem (copy) | "
-          "peak blocks | decode peak blocks | decode tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| config | KV mem vs full (long) | NLL | ppl | ppl change | copy (teacher-forced) | copy (greedy) | "
+          "KV mem (copy) | peak blocks | decode peak blocks | decode tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in summary:
         print(f"| {s['config']} | {s.get('kv_memory_vs_full', float('nan')):.2f} | {s.get('nll', float('nan')):.4f} | "
               f"{s.get('ppl', float('nan')):.3f} | {100 * s.get('ppl_change', float('nan')):+.2f}% | "
-              f"{s.get('copy_score', float('nan')):.3f} | {s.get('copy_kv_memory_vs_full', float('nan')):.2f} | "
+              f"{s.get('copy_score', float('nan')):.3f} | {s.get('copy_greedy_score', float('nan')):.3f} | "
+              f"{s.get('copy_kv_memory_vs_full', float('nan')):.2f} | "
               f"{s.get('peak_blocks', float('nan')):.0f} | {s.get('decode_peak_blocks', float('nan')):.0f} | "
               f"{s.get('decode_tok_s', float('nan')):.1f} |")
+    for name, v in speed_rows.items():
+        print(f"speed {name}: median {v['decode_tok_s_median']:.1f} decode tok/s over {len(v['runs'])} alternated runs "
+              f"of {args.speed_tokens} tokens at {len(ids0)} prompt tokens")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python"] + sys.argv), "machine": platform.processor() or platform.machine(),
                    "threads": torch.get_num_threads(), "dtype": args.dtype,
                    "attention_backend": engine.runner.backend.name,
                    "note": "2-core CPU shared with other agents' jobs: timings measured under contention",
-                   "summary": summary, "runs": results, "kv_stats": engine.kv_stats()}, f, indent=2)
+                   "summary": summary, "speed": speed_rows, "runs": results, "kv_stats": engine.kv_stats()}, f,
+                  indent=2)
     print(f"\nwrote {args.out}")
 
 

@@ -8,6 +8,7 @@ evicted slot is read again.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -353,3 +354,14 @@ def test_prefill_window_prunes_the_prompt_once(pruned):
     assert slots == CAP["max_tokens"]
     assert float(obs.max()) == 8 and float(obs.min()) >= 1  # every kept slot was seen by the window
     assert eng.requests["w"].metrics.kv_evicted_tokens == 50 - CAP["max_tokens"]
+
+
+def test_forward_pool_spreads_scores_to_following_positions():
+    from devin_compile.runtime.kv_prune import pool_by_position
+
+    scores = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 1.0, math.inf]])
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6]])
+    assert pool_by_position(scores, positions, 3).tolist() == [[0.0, 5.0, 5.0, 5.0, 0.0, 1.0, math.inf]]
+    shuffled = torch.tensor([[4, 0, 6, 2, 1, 5, 3]])  # slot order differs from position order after compaction
+    s2 = torch.tensor([[0.0, 0.0, math.inf, 0.0, 5.0, 1.0, 0.0]])  # position 1 scores 5, position 5 scores 1
+    assert pool_by_position(s2, shuffled, 3).tolist() == [[0.0, 0.0, math.inf, 5.0, 5.0, 1.0, 5.0]]

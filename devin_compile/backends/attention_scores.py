@@ -20,6 +20,20 @@ def group_mass(probs: torch.Tensor) -> torch.Tensor:
     return probs.sum(dim=(1, 2))
 
 
+def _keys(k_cache: torch.Tensor, meta: AttentionMetadata, b: int, L: int) -> torch.Tensor:
+    """Row b's first L keys [L, Hkv, D]: a view when its blocks are consecutive (memoised per step), else a gather."""
+    key = ("kv_prune_range", b)
+    start = meta.scratch.get(key)
+    if start is None:
+        bs = k_cache.shape[1]
+        blocks = meta.block_tables_host[b][:(L + bs - 1) // bs]
+        start = blocks[0] * bs if all(y - x == 1 for x, y in zip(blocks, blocks[1:])) else -1
+        meta.scratch[key] = start
+    if start >= 0:
+        return k_cache.view(-1, *k_cache.shape[2:])[start:start + L]
+    return gather_sequence(k_cache, meta.block_tables[b], L)
+
+
 def recompute_decode_mass(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, rows, *,
                           scale: float, softcap: float = 0.0) -> dict[int, torch.Tensor]:
     """Attention mass [Hkv, seq_len] of decode row ``b`` (one query) for each ``b`` in ``rows``.
@@ -35,9 +49,9 @@ def recompute_decode_mass(q: torch.Tensor, k_cache: torch.Tensor, meta: Attentio
     for b in rows:
         L = meta.seq_lens_host[b]
         s = starts[b] if starts is not None else int(meta.query_start_loc[b])
-        kk = gather_sequence(k_cache, meta.block_tables[b], L).float()  # [L, Hkv, D]
+        kk = _keys(k_cache, meta, b, L)  # [L, Hkv, D]
         qq = q[s].float().view(Hkv, G, D)
-        scores = torch.einsum("hgd,lhd->hgl", qq, kk) * scale
+        scores = torch.bmm(qq, kk.permute(1, 2, 0).float()) * scale  # [Hkv, G, L]
         if softcap > 0:
             scores = torch.tanh(scores / softcap) * softcap
         out[b] = torch.softmax(scores, dim=-1).sum(dim=1)

@@ -113,11 +113,12 @@ def _kv_write_kernel(
 
 
 def _paged_attn_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale, softcap, sliding_window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_btb, stride_btm,
@@ -126,6 +127,7 @@ def _paged_attn_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -211,6 +213,8 @@ def _paged_attn_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
+    if STORE_LSE:  # KV pruning side output: each row's log2-sum-exp2 of its scaled scores
+        tl.store(lse_ptr + tok * stride_lt + heads * stride_lh, m_i + tl.log2(l_safe), mask=row_ok)
     o = acc / l_safe[:, None]
     tl.store(
         out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + dv[None, :] * stride_od,
@@ -267,8 +271,12 @@ def triton_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, *, scale: float, softcap: float = 0.0,
-                           sliding_window: int = -1) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over the (already written) paged cache; [T, Hq, Dv] in q's dtype."""
+                           sliding_window: int = -1, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over the (already written) paged cache; [T, Hq, Dv] in q's dtype.
+
+    With ``lse`` (float32 [T, Hq]) also stores each row's log2-sum-exp2 of its scores (in the
+    kernel's base-2 units), which ``triton_scores`` turns into per-slot attention mass.
+    """
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     Dv = v_cache.shape[-1]
@@ -284,11 +292,13 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid = (B, triton.cdiv(meta.max_query_len * G, block_m), Hkv)
     bt = meta.block_tables
     _, attn = _kernels()
+    lse_t = lse if lse is not None else out
     attn[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, lse_t,
         bt, meta.seq_lens, meta.query_start_loc,
         float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window),
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), bt.stride(0), bt.stride(1),
+        *q.stride(), *out.stride(), lse_t.stride(0), lse_t.stride(1),
+        *k_cache.stride(), *v_cache.stride(), bt.stride(0), bt.stride(1),
         GROUP=G, PAGE=k_cache.shape[1],
         HEAD_DIM=D, BLOCK_D=_pow2(D), HEAD_DIM_V=Dv, BLOCK_DV=_pow2(Dv),
         BLOCK_M=block_m, BLOCK_N=block_n,
@@ -296,6 +306,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # fp32 inputs: IEEE fp32 dots (no TF32). The interpreter's bf16 dot is broken (it multiplies
         # the raw bits), so there bf16 operands are upcast and use the same fp32 path.
         IEEE_DOT=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
+        STORE_LSE=lse is not None,
         num_warps=num_warps, **({} if interp else {"num_stages": 2}),
     )
     return out
@@ -322,6 +333,19 @@ class TritonPagedBackend:
         triton_write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return triton_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
                                       sliding_window=sliding_window)
+
+    def forward_with_scores(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, rows):
+        """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]}), from the
+        kernel's row log-sum-exp and one more pass over the keys (``triton_scores``)."""
+        from .triton_scores import triton_attention_mass
+
+        triton_write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+        out = triton_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
+                                     sliding_window=sliding_window, lse=lse)
+        mass = triton_attention_mass(q, k_cache, meta, lse, scale=scale, softcap=softcap,
+                                     sliding_window=sliding_window)
+        return out, {b: mass[b, :, :meta.seq_lens_host[b]] for b in rows}
 
 
 register_backend(TritonPagedBackend())

@@ -209,6 +209,23 @@ class PruneStep:
         st.obs[layer, :n] += obs
 
 
+def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max of each slot's score over itself and the ``kernel - 1`` live tokens before it in position (per layer).
+
+    Forward-looking: the tokens that follow a strongly attended one are kept with it (the span
+    an induction/copy head reads next). Slots are not in position order after compaction, so
+    sort by position, max-pool, unsort.
+    """
+    order = positions.argsort(dim=1)
+    s = scores.gather(1, order)
+    unobserved = torch.isinf(s)  # stay +inf themselves, lend nothing to their neighbours
+    padded = torch.nn.functional.pad(s.masked_fill(unobserved, 0.0)[:, None], (kernel - 1, 0))
+    pooled = torch.nn.functional.max_pool1d(padded, kernel, stride=1)[:, 0].masked_fill(unobserved, math.inf)
+    out = torch.empty_like(scores)
+    out.scatter_(1, order, pooled)
+    return out
+
+
 # -- the pruner -----------------------------------------------------------------------
 
 
@@ -329,6 +346,8 @@ class KVPruner:
         pos = st.positions[:, :n]
         protected = (pos < cfg.sink_tokens) | (pos >= seq.num_computed - cfg.recent_tokens)
         mean = st.mean_scores() if cfg.policy == "attention" else None
+        if mean is not None and cfg.pool_kernel > 1:
+            mean = pool_by_position(mean, pos, cfg.pool_kernel)
         count = self.eviction_count(seq, protected, mean)
         self.totals.evaluations += 1
         seq.metrics.kv_prune_evaluations += 1
