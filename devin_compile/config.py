@@ -233,6 +233,9 @@ class OptimizeConfig:
         self.kv_prune = KVPruneConfig.coerce(self.kv_prune)
         if self.kv_prune is not None and not self.split_phases:
             raise ValueError("kv_prune= needs split_phases=True (the kv_prune nodes live in the decode graph)")
+        if self.kv_prune is not None and getattr(self, "compile_decode", False):
+            raise ValueError("kv_prune= with compile_decode=True is not supported yet (the ahead-compiled decode "
+                             "callables would need the kv_prune nodes kept opaque); drop one of them")
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
 
