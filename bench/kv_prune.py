@@ -52,14 +52,14 @@ WORKLOAD = os.path.join(SHARED, "workloads", "long-8.jsonl")
 TEXT = os.path.join(SHARED, "data", "tinyshakespeare.txt")
 
 
-def configs(budgets, thresholds, window, pool=1, threshold_pool=1):
+def configs(budgets, thresholds, window, pool=1, threshold_pool=1, ablation=False):
     out = [("full", None)]
     common = dict(sink_tokens=4, recent_tokens=64, step_interval=2, threshold=0.0, prefill_window=window)
     for b in budgets:
         for policy in ("attention", "streaming", "random"):
             extra = {"pool_kernel": pool} if policy == "attention" else {}
             out.append((f"{policy}@{b:g}", dict(common, policy=policy, max_ratio=b, **extra)))
-    if 0.5 in budgets and window:
+    if 0.5 in budgets and window and ablation:
         out.append(("attention-decode-only@0.5", dict(common, max_ratio=0.5, prefill_window=0)))
     for t in thresholds:
         out.append((f"threshold={t:g}", dict(common, threshold=t, pool_kernel=threshold_pool)))
@@ -115,6 +115,79 @@ def copy_task(tok, text, n, seed):
     return tasks
 
 
+def summarize(cfgs, results) -> list[dict]:
+    """Per configuration: means over samples (memory ratios paired with the full run of the same sample)."""
+    full_long = {x["sample"]: x for x in results.get("full", {}).get("long", [])}
+    full_copy = {x["sample"]: x for x in results.get("full", {}).get("copy", [])}
+    summary = []
+    for name, cfg in cfgs:
+        L, C = results[name]["long"], results[name]["copy"]
+        row = {"config": name, "kv_prune": cfg, "long_samples": len(L), "copy_samples": len(C)}
+        if L and full_long:
+            nll = statistics.fmean(x["nll"] for x in L)
+            full_nll = statistics.fmean(full_long[x["sample"]]["nll"] for x in L)
+            row.update({
+                "nll": nll, "ppl": math.exp(nll), "ppl_change": math.exp(nll - full_nll) - 1,
+                "kv_memory_vs_full": statistics.fmean(x["mean_live_tokens"] / full_long[x["sample"]]["mean_live_tokens"]
+                                                      for x in L),
+                "peak_blocks": statistics.median(x["peak_blocks"] for x in L),
+                "decode_peak_blocks": statistics.median(x["decode_peak_blocks"] for x in L),
+                "decode_tok_s": statistics.median(x["decode_tok_s"] for x in L),
+            })
+        if C and full_copy:
+            row["copy_score"] = statistics.fmean(x["score"] for x in C)
+            g = [x["greedy_score"] for x in C if x["greedy_score"] is not None]
+            row["copy_greedy_score"] = statistics.fmean(g) if g else float("nan")
+            row["copy_kv_memory_vs_full"] = statistics.fmean(
+                x["mean_live_tokens"] / full_copy[x["sample"]]["mean_live_tokens"] for x in C)
+        summary.append(row)
+    return summary
+
+
+def print_summary(summary, speed_rows) -> None:
+    nan = float("nan")
+    print("\n| config | KV mem vs full (long) | NLL | ppl | ppl change | copy (teacher-forced) | copy (greedy) | "
+          "KV mem (copy) | peak blocks | decode peak blocks | decode tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in summary:
+        print(f"| {s['config']} | {s.get('kv_memory_vs_full', nan):.2f} | {s.get('nll', nan):.4f} | "
+              f"{s.get('ppl', nan):.3f} | {100 * s.get('ppl_change', nan):+.2f}% | "
+              f"{s.get('copy_score', nan):.3f} | {s.get('copy_greedy_score', nan):.3f} | "
+              f"{s.get('copy_kv_memory_vs_full', nan):.2f} | "
+              f"{s.get('peak_blocks', nan):.0f} | {s.get('decode_peak_blocks', nan):.0f} | "
+              f"{s.get('decode_tok_s', nan):.1f} |")
+    for name, v in speed_rows.items():
+        print(f"speed {name}: median {v['decode_tok_s_median']:.1f} decode tok/s over {len(v['runs'])} alternated runs")
+
+
+def merge(paths: list[str], out: str) -> None:
+    """Combine shard outputs (different samples / tasks of the same configurations) into one result."""
+    parts = [json.load(open(p)) for p in paths]
+    cfgs, results, speed = [], {}, {}
+    for part in parts:
+        for row in part["summary"]:
+            if row["config"] not in results:
+                cfgs.append((row["config"], row["kv_prune"]))
+                results[row["config"]] = {"long": [], "copy": []}
+        for name, r in part["runs"].items():
+            results[name]["long"] += r["long"]
+            results[name]["copy"] += r["copy"]
+        for name, v in part.get("speed", {}).items():
+            speed.setdefault(name, []).extend(v["runs"])
+    speed_rows = {name: {"decode_tok_s_median": statistics.median(v), "runs": v} for name, v in speed.items()}
+    summary = summarize(cfgs, results)
+    print_summary(summary, speed_rows)
+    with open(out, "w") as f:
+        json.dump({"commands": [p["command"] for p in parts], "machine": parts[0]["machine"],
+                   "threads": parts[0]["threads"], "dtype": parts[0]["dtype"],
+                   "attention_backend": parts[0]["attention_backend"],
+                   "note": "2-core CPU shared with other agents' jobs (load average 5-7) and run as parallel shards: "
+                           "timings measured under heavy contention",
+                   "speed_setup": next((p["speed_setup"] for p in parts if p.get("speed")), None),
+                   "summary": summary, "speed": speed_rows, "runs": results}, f, indent=2)
+    print(f"\nwrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=4)
@@ -131,23 +204,32 @@ def main() -> None:
     ap.add_argument("--speed-repeats", type=int, default=4,
                     help="decode tok/s phase: full / attention@0.5 / streaming@0.5 alternated this many times")
     ap.add_argument("--speed-tokens", type=int, default=64)
+    ap.add_argument("--long-offset", type=int, default=0, help="first long-8 sample (to shard runs)")
+    ap.add_argument("--copy-offset", type=int, default=0, help="first copy-task sample (to shard runs)")
+    ap.add_argument("--merge", nargs="+", default=None, help="merge these shard outputs into --out and exit")
+    ap.add_argument("--kv-blocks", type=int, default=320, help="KV pool blocks (16 tokens each)")
+    ap.add_argument("--ablation", action="store_true", help="also run attention scores from decode steps only")
+    ap.add_argument("--greedy-configs", nargs="*", default=["full", "attention@0.5", "streaming@0.5", "random@0.5"],
+                    help="configurations whose copy task also runs free-running greedy (each costs a prefill)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_prune.json"))
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     model, tok = load_model(None, parse_dtype(args.dtype))
     # No prefix caching: every run prefills cold, so decode tok/s compares like with like
     # (copied shared blocks would also break the single-view fast path of CPU decode).
-    opt = devin_compile.optimize(model, tokenizer=tok, num_kv_blocks=768, max_model_len=4096,
+    opt = devin_compile.optimize(model, tokenizer=tok, num_kv_blocks=args.kv_blocks, max_model_len=4096,
                                  kv_prune={"enabled": False}, enable_prefix_caching=False)
     engine = opt.engine
     bs = engine.runner.block_size
     text = open(TEXT).read()
-    rows = [json.loads(line) for line in open(WORKLOAD)][:args.samples]
-    cfgs = configs(args.budgets, args.thresholds, args.window, args.pool, args.threshold_pool)
+    rows = [json.loads(line) for line in open(WORKLOAD)][args.long_offset:args.long_offset + args.samples]
+    cfgs = configs(args.budgets, args.thresholds, args.window, args.pool, args.threshold_pool, args.ablation)
     if args.configs:
         cfgs = [c for c in cfgs if c[0] in args.configs]
     results: dict[str, dict] = {name: {"long": [], "copy": []} for name, _ in cfgs}
@@ -173,7 +255,8 @@ def main() -> None:
             print(f"long {r['id']} {name:16s} nll {rec['nll']:.4f} live {rec['mean_live_tokens']:.0f} "
                   f"peak {peak} blocks, decode {rec['decode_tok_s']:.1f} tok/s ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
-    for j, (prompt, target, depth) in enumerate(copy_task(tok, text, args.copy_samples, args.seed)):
+    tasks = copy_task(tok, text, args.copy_offset + args.copy_samples, args.seed)[args.copy_offset:]
+    for j, (prompt, target, depth) in enumerate(tasks, start=args.copy_offset):
         for name, cfg in cfgs:
             # teacher-forced: each of the 30 tokens predicted (argmax) given the true preceding ones
             hits = []
@@ -187,19 +270,22 @@ def main() -> None:
                 forced=target, observe=argmax_hit)
             forced_score = sum(hits) / len(target)
             # free running: greedy tokens compared position by position (one miss derails the rest)
-            out, _, _, _, _, _, _ = run_one(engine, prompt, SamplingParams(max_new_tokens=len(target),
-                                                                           kv_prune=cfg or False))
-            greedy = sum(a == b for a, b in zip(out, target)) / len(target)
+            greedy = None
+            if name in args.greedy_configs:
+                out, _, _, _, _, _, _ = run_one(engine, prompt, SamplingParams(max_new_tokens=len(target),
+                                                                               kv_prune=cfg or False))
+                greedy = sum(a == b for a, b in zip(out, target)) / len(target)
             results[name]["copy"].append({"sample": j, "depth": depth, "prompt_tokens": len(prompt),
                                           "score": forced_score, "greedy_score": greedy,
                                           "mean_live_tokens": statistics.fmean(live[1:])})
-            print(f"copy {j} {name:16s} teacher-forced {forced_score:.2f} greedy {greedy:.2f} "
+            print(f"copy {j} {name:16s} teacher-forced {forced_score:.2f} greedy {greedy} "
                   f"live {statistics.fmean(live[1:]):.0f}", flush=True)
 
     # Decode speed at ~3000 context: configurations alternated, so load drift hits them alike.
     speed: dict[str, list] = {}
     speed_cfgs = [c for c in configs([0.5], [], args.window, args.pool) if c[0] in ("full", "attention@0.5", "streaming@0.5")]
-    ids0 = tok(rows[0]["prompt"], add_special_tokens=False)["input_ids"] if rows else None
+    first = json.loads(open(WORKLOAD).readline())
+    ids0 = tok(first["prompt"], add_special_tokens=False)["input_ids"] if args.speed_repeats else None
     for rep in range(args.speed_repeats if ids0 else 0):
         for name, cfg in speed_cfgs:
             _, _, live, _, dt, dn, _ = run_one(engine, ids0, SamplingParams(max_new_tokens=args.speed_tokens,
@@ -208,49 +294,17 @@ def main() -> None:
             print(f"speed rep {rep} {name:16s} {dn / dt:.1f} decode tok/s (live {live[-1]})", flush=True)
     speed_rows = {name: {"decode_tok_s_median": statistics.median(v), "runs": v} for name, v in speed.items()}
 
-    full = results["full"]
-    summary = []
-    for name, cfg in cfgs:
-        L, C = results[name]["long"], results[name]["copy"]
-        row = {"config": name, "kv_prune": cfg}
-        if L:
-            nll = statistics.fmean(x["nll"] for x in L)
-            row.update({
-                "nll": nll, "ppl": math.exp(nll),
-                "ppl_change": math.exp(nll) / math.exp(statistics.fmean(x["nll"] for x in full["long"])) - 1,
-                "kv_memory_vs_full": statistics.fmean(x["mean_live_tokens"] / y["mean_live_tokens"]
-                                                      for x, y in zip(L, full["long"])),
-                "peak_blocks": statistics.median(x["peak_blocks"] for x in L),
-                "decode_peak_blocks": statistics.median(x["decode_peak_blocks"] for x in L),
-                "decode_tok_s": statistics.median(x["decode_tok_s"] for x in L),
-            })
-        if C:
-            row["copy_score"] = statistics.fmean(x["score"] for x in C)
-            row["copy_greedy_score"] = statistics.fmean(x["greedy_score"] for x in C)
-            row["copy_kv_memory_vs_full"] = statistics.fmean(
-                x["mean_live_tokens"] / y["mean_live_tokens"] for x, y in zip(C, full["copy"]))
-        summary.append(row)
-    print("\n| config | KV mem vs full (long) | NLL | ppl | ppl change | copy (teacher-forced) | copy (greedy) | "
-          "KV mem (copy) | peak blocks | decode peak blocks | decode tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for s in summary:
-        print(f"| {s['config']} | {s.get('kv_memory_vs_full', float('nan')):.2f} | {s.get('nll', float('nan')):.4f} | "
-              f"{s.get('ppl', float('nan')):.3f} | {100 * s.get('ppl_change', float('nan')):+.2f}% | "
-              f"{s.get('copy_score', float('nan')):.3f} | {s.get('copy_greedy_score', float('nan')):.3f} | "
-              f"{s.get('copy_kv_memory_vs_full', float('nan')):.2f} | "
-              f"{s.get('peak_blocks', float('nan')):.0f} | {s.get('decode_peak_blocks', float('nan')):.0f} | "
-              f"{s.get('decode_tok_s', float('nan')):.1f} |")
-    for name, v in speed_rows.items():
-        print(f"speed {name}: median {v['decode_tok_s_median']:.1f} decode tok/s over {len(v['runs'])} alternated runs "
-              f"of {args.speed_tokens} tokens at {len(ids0)} prompt tokens")
+    summary = summarize(cfgs, results)
+    print_summary(summary, speed_rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python"] + sys.argv), "machine": platform.processor() or platform.machine(),
                    "threads": torch.get_num_threads(), "dtype": args.dtype,
                    "attention_backend": engine.runner.backend.name,
                    "note": "2-core CPU shared with other agents' jobs: timings measured under contention",
-                   "summary": summary, "speed": speed_rows, "runs": results, "kv_stats": engine.kv_stats()}, f,
-                  indent=2)
+                   "summary": summary, "speed": speed_rows, "runs": results, "kv_stats": engine.kv_stats(),
+                   "speed_setup": {"prompt_tokens": len(ids0) if ids0 else None, "new_tokens": args.speed_tokens}},
+                  f, indent=2)
     print(f"\nwrote {args.out}")
 
 

@@ -203,9 +203,11 @@ def test_pool_free_count_rises_by_freed_pages(pruned):
 
     def spy(seq, evict):
         free0, freed0, copies0 = eng.allocator.num_free, seq.metrics.kv_freed_blocks, pruner.totals.copied_blocks
+        blocks0 = len(seq.block_table)
         ok = original(seq, evict)
         deltas.append((eng.allocator.num_free - free0, seq.metrics.kv_freed_blocks - freed0,
                        pruner.totals.copied_blocks - copies0))
+        assert blocks0 - len(seq.block_table) == deltas[-1][1]  # no sharing here: every dropped block is freed
         return ok
 
     pruner.compact = spy

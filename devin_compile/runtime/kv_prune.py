@@ -404,6 +404,7 @@ class KVPruner:
         flat = data.view(data.shape[0], 2, -1, *data.shape[4:])
         tbl = torch.tensor(table, dtype=torch.long, device=data.device)
         moved = flat[tail_l, :, tbl[tail_s // bs] * bs + tail_s % bs]  # gathered before any block is reused
+        freed = sum(1 for b in trailing if alloc.ref_count[b] == 1)  # a shared one only loses our reference
         alloc.free(trailing)
         for j in written:
             b = table[j]
@@ -427,7 +428,6 @@ class KVPruner:
         st.n = m
         seq.block_table = table[:new_nb]
         seq.num_evicted += count
-        freed = len(trailing)
         seq.metrics.kv_evicted_tokens += count
         seq.metrics.kv_freed_blocks += freed
         self.totals.evicted_tokens += count
