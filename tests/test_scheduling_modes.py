@@ -164,3 +164,13 @@ def test_memory_accounting(opt):
     # blocks of 4 slots: a sequence wastes at most 3 slots, so the mean live fraction is high but < 1
     assert 0.5 < st["mean_live_slot_fraction"] < 1.0
     assert engine.metrics.allocated_slots_sampled > 0
+
+
+def test_attention_padding_waste_is_reported_and_bounded(opt):
+    engine = make_engine(opt, 128)
+    engine.generate([prompt_of(n, 700 + n) for n in (3, 40, 5, 90, 60)], greedy(4))
+    runner = engine.runner
+    assert runner.attention_padded_keys >= runner.attention_real_keys > 0
+    waste = engine.kv_stats()["attention_padding_waste"]
+    one_rectangle = 1 - (3 + 40 + 5 + 90 + 60) / (5 * 90)  # what a single padded batch would waste at the start
+    assert 0.0 <= waste < one_rectangle

@@ -82,7 +82,8 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device,
         groups.append((tok, flat, glens, mask, len(g), L))
     plan = ("groups", groups)
     meta.scratch["cpu_decode"] = plan
-    meta.scratch["cpu_decode_waste"] = grouping.waste
+    # length-aware grouping's padding, per step (the runner sums it into its stats)
+    meta.scratch["attention_padding"] = (grouping.real_tokens, grouping.padded_tokens)
     return plan
 
 

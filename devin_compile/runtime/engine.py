@@ -329,6 +329,9 @@ class Engine:
             "pool_bytes": a.num_blocks * self.runner.block_size * self.runner.kv_cache.spec.bytes_per_token,
             "live_slot_fraction": (live / slots) if slots else 1.0,
             "mean_live_slot_fraction": self.metrics.mean_live_slot_fraction,
+            # length-aware grouping of batched decode attention: fraction of the keys read that were padding
+            "attention_padding_waste": (1 - self.runner.attention_real_keys / self.runner.attention_padded_keys)
+            if self.runner.attention_padded_keys else 0.0,
             "prefix_caching": self.prefix_cache is not None,
             "blocks_cached": 0, "blocks_cached_free": 0,
             "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0,

@@ -29,6 +29,10 @@ class ModelRunner:
         # Pad pure-decode batches up to their bucket: needed by static-shape decode callables
         # (on by default when the program has them; tests turn it on to check padding alone).
         self.pad_decode = bool(program.decode_callables)
+        # Keys attention read vs keys that exist, summed over steps whose backend batched
+        # sequences into padded rectangles (length-aware grouping; see backends/length_groups.py).
+        self.attention_real_keys = 0
+        self.attention_padded_keys = 0
 
     @property
     def block_size(self) -> int:
@@ -72,6 +76,10 @@ class ModelRunner:
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         with torch.inference_mode(), step_context(StepContext(meta, self.kv_cache, self.backend, kv_prune)):
             logits = self.graph_for(decode, meta.num_seqs)(ids, pos, idx)
+        padding = meta.scratch.get("attention_padding")
+        if padding is not None:
+            self.attention_real_keys += padding[0]
+            self.attention_padded_keys += padding[1]
         return logits[0, :n_real] if decode else logits[0]
 
     def execute(self, batch: list[ScheduledSeq], kv_prune=None) -> tuple[torch.Tensor, list[int]]:
