@@ -248,7 +248,8 @@ def main() -> None:
         if label in results:
             kv = results[label]["kv"]
             table[label]["kv"] = {k: kv[k] for k in ("blocks_total", "blocks_used_peak", "bytes_per_token", "pool_bytes",
-                                                     "prefix_hit_tokens", "mean_live_slot_fraction")}
+                                                     "prefix_hit_tokens", "mean_live_slot_fraction",
+                                                     "attention_padding_waste")}
             table[label]["steps"] = results[label]["steps"]
             table[label]["ttft_mean_ms"] = 1e3 * statistics.mean(results[label]["ttft"])
             print(f"{label} KV: {table[label]['kv']}, mean TTFT {table[label]['ttft_mean_ms']:.0f} ms")
