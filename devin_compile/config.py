@@ -93,6 +93,10 @@ class OptimizeConfig:
     # Decode batch sizes the decode graph is specialised for; static-shape decode callables
     # (CUDA Graphs, ahead-compiled CPU decode) exist per bucket, batches pad up to one.
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # Weight-only INT4 (issue 4): a dict of quant.QuantConfig keys (method, bits, group_size, target, ...)
+    # to calibrate and quantize now, or ``quantized="dir/"`` to load a saved artifact.
+    quantization: Any = None
+    quantized: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -116,6 +120,20 @@ class OptimizeConfig:
             raise ValueError(f"decode_buckets={buckets!r} must be a non-empty list of positive integers, "
                              "e.g. (1, 2, 4, 8, 16, 32, 64, 128)")
         self.decode_buckets = tuple(sorted(set(buckets)))
+        from .quant.quantize import RUNTIME_KEYS, QuantConfig
+
+        if self.quantized is not None:
+            if not isinstance(self.quantized, (str, os.PathLike)) or not os.path.isdir(self.quantized):
+                raise ValueError(f"quantized={self.quantized!r} is not a directory (write one with "
+                                 "`devin-compile quantize run --out DIR`)")
+            fixed = sorted(set(self.quantization or {}) - set(RUNTIME_KEYS)) if isinstance(self.quantization, Mapping) else []
+            if fixed:
+                raise ValueError(f"quantization keys {fixed} are fixed by the artifact in {self.quantized}; "
+                                 f"with quantized= only {list(RUNTIME_KEYS)} may be given")
+            QuantConfig.coerce(self.quantization or {})  # validate; the artifact's own settings fill the rest
+            self.quantization = dict(self.quantization or {})
+        else:
+            self.quantization = QuantConfig.coerce(self.quantization)
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
 

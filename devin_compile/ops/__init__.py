@@ -1,2 +1,3 @@
 """``devin::`` custom ops (torch.library): the only door between graphs and kernels."""
+from . import int4_linear  # noqa: F401  (registers devin::int4_linear)
 from . import paged_attention  # noqa: F401  (registers devin::paged_attention)
