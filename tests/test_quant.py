@@ -253,6 +253,9 @@ def test_targets_pick_layers_by_sensitivity(tiny, tiny_results):
         ({"int4_fraction": 0.8}, lambda t: sum(r["params"] for r in t if r["precision"] == "int4")
          >= 0.8 * sum(r["params"] for r in t)),
         ({"memory_fraction": 0.5}, lambda t: sum(r["bytes"] for r in t) <= 0.5 * 4 * sum(r["params"] for r in t)),
+        ({"keep": ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.k_proj"]},
+         lambda t: {r["linear"] for r in t if r["precision"] != "int4"}
+         == {"model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj+k_proj+v_proj"}),
     ]:
         path = f"/tmp/devin_quant_test_{abs(hash(str(target)))}"
         artifact.save(res, path)

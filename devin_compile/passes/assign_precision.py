@@ -19,7 +19,8 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    linears with the highest sensitivity per weight stay in the model dtype while the
    fraction allows); ``memory_bytes=B`` / ``memory_fraction=f`` (decoder-linear weight bytes
    at most B, or f times their bytes in the model dtype: start all INT4, then restore the
-   linears with the highest sensitivity per extra byte while the budget allows).
+   linears with the highest sensitivity per extra byte while the budget allows); ``keep=[names]``
+   (these HF linears, and the graph linears fused with them, stay unquantized).
 4. INT4 linears become ``devin::int4_linear`` (operands prepared once for the kernel);
    with ``dense_prefill`` a dequantized dense copy (oneDNN-prepacked on CPU) serves steps of
    more than ``max_int4_tokens`` tokens. Kept linears of an AWQ result get their folded
@@ -76,6 +77,13 @@ def choose_int4(cands: list[Candidate], target: dict) -> set[int]:
     everything = set(range(len(cands)))
     if kind == "all":
         return everything
+    if kind == "keep":
+        wanted = set(value)
+        known = {n for c in cands for n in c.names}
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise ValueError(f"quantization target keep names linears the model lacks: {unknown[:3]}")
+        return {i for i, c in enumerate(cands) if not wanted & set(c.names)}
     if kind == "keep_fp":
         by_sens = sorted(everything, key=lambda i: -cands[i].sensitivity)
         return everything - set(by_sens[: min(value, len(cands))])

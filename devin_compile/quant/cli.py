@@ -35,7 +35,7 @@ def cmd_run(args, load, console) -> int:
     from .quantize import QuantConfig, quantize_model
 
     cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=args.target,
-                      act_order=args.act_order, clip=not args.no_clip, damp=args.damp)
+                      act_order=not args.no_act_order, clip=not args.no_clip, damp=args.damp)
     model, _tok = load(args, console)
     stats = CalibrationStats.load(args.calib, model)
     with _progress(console, f"{cfg.method} INT4 g{cfg.group_size}") as prog:
@@ -112,7 +112,8 @@ def add_parser(sub, common, load) -> None:
     r.add_argument("--group-size", type=int, default=64, help=f"one of {list(SUPPORTED_GROUP_SIZES)} (default 64)")
     r.add_argument("--target", default="all", help="all | keep_fp=N | int4_fraction=F | memory_bytes=B | "
                    "memory_fraction=F (default all)")
-    r.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+    r.add_argument("--no-act-order", action="store_true",
+                   help="GPTQ: columns in their natural order (default: by decreasing Hessian diagonal)")
     r.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ) / static clipped grid (GPTQ)")
     r.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean(diag H)")
     r.add_argument("--out", required=True, help="directory for quantized.safetensors + quant_config.json")

@@ -22,14 +22,15 @@ from . import int4 as fmt
 from .calibration import CalibrationStats, decoder_linears, model_fingerprint
 
 METHODS = ("rtn", "awq", "gptq")
-TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction")
+TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep")
 INT4_KERNELS = ("auto", "cpu", "reference", "triton")
 # Keys that only steer how an already quantized model is compiled; the rest fix the weights.
 RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill")
-# Measured crossover (bench/quant.py, bf16, SmolLM2 shapes, this 2-core CPU): the int4
-# kernel wins at 1-2 tokens, ties at ~4 and loses 2-3x at 16+, where oneDNN's bf16 GEMM
-# uses the CPU's matrix units. Steps with more tokens than this use the dense copy.
-DEFAULT_MAX_INT4_TOKENS = 4
+# Measured crossover (bench/quant.py --parts kernels: SmolLM2's 120 decoder linears, bf16,
+# weights streamed from memory, this 2-core CPU): the int4 kernel is ~2x faster than oneDNN
+# bf16 at 1-4 tokens, ~1.3x at 6-8, slower from 16 tokens on (0.4x at 64), where the bf16
+# GEMM is compute-bound. Steps with more tokens than this use the dense copy.
+DEFAULT_MAX_INT4_TOKENS = 8
 
 
 def parse_target(value: Any) -> dict:
@@ -59,11 +60,15 @@ def parse_target(value: Any) -> dict:
                 b = int(float(v))
                 if b > 0:
                     return {"kind": kind, "value": b}
+            elif kind == "keep":  # explicit: these linears (HF names) stay unquantized
+                names = [x.strip() for x in v.split(",")] if isinstance(v, str) else list(v)
+                if all(isinstance(x, str) and x for x in names):
+                    return {"kind": kind, "value": sorted(set(names))}
         except (TypeError, ValueError):
             pass
         if kind in TARGET_KINDS:
             raise ValueError(f"quantization target {kind}={v!r} is out of range (keep_fp: integer >= 0; "
-                             "int4_fraction/memory_fraction: in (0, 1]; memory_bytes: > 0)")
+                             "int4_fraction/memory_fraction: in (0, 1]; memory_bytes: > 0; keep: linear names)")
     raise ValueError(f"quantization target {value!r} is unknown; valid: 'all', or one of "
                      f"{[k for k in TARGET_KINDS if k != 'all']} as 'kind=value' or {{kind: value}}")
 
@@ -76,9 +81,9 @@ class QuantConfig:
     bits: int = 4
     group_size: int = 64
     target: Any = "all"
-    act_order: bool = False  # GPTQ: visit columns by decreasing Hessian diagonal
+    act_order: bool = True  # GPTQ: visit columns by decreasing Hessian diagonal (static groups)
     damp: float = 0.01  # GPTQ: dampening as a fraction of mean(diag H) (raised if Cholesky fails)
-    clip: bool = True  # AWQ: clipping search
+    clip: bool = True  # AWQ: clipping search; GPTQ: static groups on the clipping search's grid
     calib_chunks: int = 16
     calib_len: int = 512
     data: str | None = None  # calibration text (default: ../shared/data/tinyshakespeare.txt)
