@@ -364,3 +364,22 @@ def test_parse_target_forms():
     assert parse_target("keep_fp=3") == {"kind": "keep_fp", "value": 3}
     assert parse_target({"memory_bytes": 1e6}) == {"kind": "memory_bytes", "value": 1000000}
     assert QuantConfig(target="int4_fraction=0.8").target == {"kind": "int4_fraction", "value": 0.8}
+
+
+def test_max_kl_target_is_resolved_by_measurement(tiny):
+    model, _ = tiny
+    kw = {"method": "rtn", "group_size": 32, "calib_chunks": 2, "calib_len": 64}
+    loose = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={**kw, "target": "max_kl=100"})
+    assert all(r["precision"] == "int4" for r in loose.precision_table)
+    assert "max_kl=100.0: keep_fp=0 of 8" in " ".join(loose.quant_result.notes)
+    strict = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={**kw, "target": {"max_kl": 1e-12}})
+    assert all(r["precision"] != "int4" for r in strict.precision_table)
+    ids = torch.randint(3, 256, (1, 16))
+    with torch.no_grad():
+        assert (strict(ids).logits - model(ids).logits).abs().max() <= 1e-4
+    mid = loose.quant_result
+    from devin_compile.quant.quantize import resolve_max_kl
+
+    chunks = [torch.randint(3, 256, (64,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    target = resolve_max_kl(model, mid, chunks, 1e-4)
+    assert 0 <= target["value"] <= 8 and target["kind"] == "keep_fp"

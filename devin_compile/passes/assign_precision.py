@@ -20,7 +20,9 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    fraction allows); ``memory_bytes=B`` / ``memory_fraction=f`` (decoder-linear weight bytes
    at most B, or f times their bytes in the model dtype: start all INT4, then restore the
    linears with the highest sensitivity per extra byte while the budget allows); ``keep=[names]``
-   (these HF linears, and the graph linears fused with them, stay unquantized).
+   (these HF linears, and the graph linears fused with them, stay unquantized); ``max_kl=x`` is
+   resolved before compiling into ``keep_fp=N`` by measuring the KL of eager simulations on
+   calibration text (:func:`~devin_compile.quant.quantize.resolve_max_kl`).
 4. INT4 linears become ``devin::int4_linear`` (operands prepared once for the kernel);
    with ``dense_prefill`` a dequantized dense copy (oneDNN-prepacked on CPU) serves steps of
    more than ``max_int4_tokens`` tokens. Kept linears of an AWQ result get their folded
@@ -77,6 +79,9 @@ def choose_int4(cands: list[Candidate], target: dict) -> set[int]:
     everything = set(range(len(cands)))
     if kind == "all":
         return everything
+    if kind == "max_kl":
+        raise ValueError("quantization target max_kl must be resolved against the model first "
+                         "(quantize_for_optimize / `quantize run` do it: quant.quantize.resolve_max_kl)")
     if kind == "keep":
         wanted = set(value)
         known = {n for c in cands for n in c.names}
@@ -191,6 +196,7 @@ class AssignPrecision(Pass):
         kernel, max_tokens, dense = self._kernel(device, dtype)
         packed_dense = dense and device.type == "cpu" and prepack_supported(dtype)
         rows = []
+        dense_bytes = 0
         for i, c in enumerate(cands):
             node = c.node
             parts = [res.linears[n] for n in c.names]
@@ -211,6 +217,7 @@ class AssignPrecision(Pass):
                             wd = torch.ops.mkldnn._reorder_linear_weight(wd, 1)
                             kwargs["dense_kernel"] = "mkldnn"
                         kwargs["dense"] = _set_attr(gm, f"int4_{i}_dense", wd, w_node)
+                        dense_bytes += c.fp_bytes
                     new = add_call(graph, torch.ops.devin.int4_linear.default,
                                    (node.args[0], qw_node, sz_node, c.group_size, c.n, kernel), kwargs, like=node)
                 node.replace_all_uses_with(new)
@@ -247,7 +254,10 @@ class AssignPrecision(Pass):
         note = (f"{res.method} INT4 {n4}/{len(cands)} linears ({p4 / ptot:.1%} of decoder-linear weights), "
                 f"target {self.qconfig.target['kind']}"
                 + (f"={self.qconfig.target['value']}" if self.qconfig.target["value"] is not None else "")
-                + f"; weights {total_bytes / 2**20:.1f} MiB vs {fp_bytes / 2**20:.1f} MiB; {gnote}; {mode}; "
+                + f"; decoder-linear weights {total_bytes / 2**20:.1f} MiB vs {fp_bytes / 2**20:.1f} MiB"
+                + (f" (+ {dense_bytes / 2**20:.1f} MiB dense copies for long steps: dense_prefill=False drops them)"
+                   if dense_bytes else "")
+                + f"; {gnote}; {mode}; "
                 f"{removed} nodes removed")
         return PassResult(matches=n4, note=note, details=precision_table_markdown(rows))
 

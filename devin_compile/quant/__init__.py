@@ -22,7 +22,7 @@ import torch
 
 from .artifact import load, save
 from .calibration import CalibrationStats, collect_stats, load_token_stream, token_chunks
-from .quantize import QuantConfig, QuantResult, quantize_model, simulate
+from .quantize import QuantConfig, QuantResult, quantize_model, resolve_max_kl, simulate
 
 __all__ = ["CalibrationStats", "QuantConfig", "QuantResult", "calibrate", "quantize", "save", "load", "simulate",
            "validate", "quantize_for_optimize"]
@@ -46,8 +46,20 @@ def quantize_for_optimize(model: torch.nn.Module, tokenizer, qcfg: QuantConfig) 
     if tokenizer is None:
         raise ValueError("optimize(quantization=...) calibrates on text, so it needs tokenizer= "
                          "(or quantize beforehand and pass quantized='dir/')")
-    stats = calibrate(model, tokenizer, qcfg.data, qcfg.calib_chunks, qcfg.calib_len)
-    return quantize_model(model, stats, qcfg)
+    stream = load_token_stream(tokenizer, qcfg.data)
+    chunks = token_chunks(stream, qcfg.calib_chunks, qcfg.calib_len)
+    stats = collect_stats(model, chunks, data=str(qcfg.data or "tinyshakespeare (default)"))
+    result = quantize_model(model, stats, qcfg)
+    resolve_target(model, result, qcfg, chunks)
+    return result
+
+
+def resolve_target(model: torch.nn.Module, result: QuantResult, qcfg: QuantConfig, chunks) -> None:
+    """A ``max_kl`` target becomes ``keep_fp=N`` (measured on ``chunks``, at most 2 of them), in
+    ``qcfg`` and in the result's saved config."""
+    if qcfg.target["kind"] == "max_kl":
+        qcfg.target = resolve_max_kl(model, result, chunks[:2], qcfg.target["value"])
+        result.config["target"] = qcfg.target
 
 
 def validate(model: torch.nn.Module, tokenizer, quantized: str, data: str | None = None, num_chunks: int = 16,

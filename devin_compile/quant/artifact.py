@@ -59,7 +59,7 @@ def save(result: QuantResult, out_dir: str | os.PathLike) -> Path:
     meta = {"format": FORMAT, "version": VERSION, "method": result.method, "bits": result.bits,
             "group_size": result.group_size, "config": result.config, "fingerprint": result.fingerprint,
             "seconds": result.seconds, "calib": result.calib, "notes": result.notes, "linears": layers,
-            "overrides": sorted(result.overrides)}
+            "overrides": sorted(result.overrides), "groups": result.groups}
     save_file(tensors, str(out / TENSORS_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str))
     return out
@@ -130,4 +130,5 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
         overrides[pname] = t
     return QuantResult(meta["method"], int(meta["bits"]), int(meta["group_size"]), linears, overrides,
                        meta["fingerprint"], config=meta.get("config", {}), seconds=float(meta.get("seconds", 0.0)),
-                       calib=meta.get("calib", {}), notes=list(meta.get("notes", [])))
+                       calib=meta.get("calib", {}), notes=list(meta.get("notes", [])),
+                       groups=[list(g) for g in meta.get("groups", [])])

@@ -41,6 +41,14 @@ def cmd_run(args, load, console) -> int:
     with _progress(console, f"{cfg.method} INT4 g{cfg.group_size}") as prog:
         task = prog.add_task("quant", total=len(stats.linear_input))
         result = quantize_model(model, stats, cfg, progress=lambda i, n, name: prog.update(task, completed=i))
+    if cfg.target["kind"] == "max_kl":
+        from . import resolve_target
+        from .calibration import load_token_stream, token_chunks
+
+        with console.status(f"resolving target max_kl={cfg.target['value']} on calibration text ..."):
+            chunks = token_chunks(load_token_stream(_tok, stats.data if Path(stats.data).exists() else None),
+                                  min(2, stats.num_chunks), stats.chunk_len)
+            resolve_target(model, result, cfg, chunks)
     artifact.save(result, args.out)
     console.print(f"quantized {len(result.linears)} linears with {cfg.method} in {result.seconds:.1f} s → {args.out}")
     for note in result.notes:
@@ -111,7 +119,7 @@ def add_parser(sub, common, load) -> None:
     r.add_argument("--bits", type=int, default=4, help=f"one of {list(SUPPORTED_BITS)}")
     r.add_argument("--group-size", type=int, default=64, help=f"one of {list(SUPPORTED_GROUP_SIZES)} (default 64)")
     r.add_argument("--target", default="all", help="all | keep_fp=N | int4_fraction=F | memory_bytes=B | "
-                   "memory_fraction=F (default all)")
+                   "memory_fraction=F | max_kl=X | keep=NAME,NAME (default all)")
     r.add_argument("--no-act-order", action="store_true",
                    help="GPTQ: columns in their natural order (default: by decreasing Hessian diagonal)")
     r.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ) / static clipped grid (GPTQ)")

@@ -22,7 +22,7 @@ from . import int4 as fmt
 from .calibration import CalibrationStats, decoder_linears, model_fingerprint
 
 METHODS = ("rtn", "awq", "gptq")
-TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep")
+TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep", "max_kl")
 INT4_KERNELS = ("auto", "cpu", "reference", "triton")
 # Keys that only steer how an already quantized model is compiled; the rest fix the weights.
 RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill")
@@ -52,6 +52,10 @@ def parse_target(value: Any) -> dict:
                 n = int(v)
                 if n >= 0:
                     return {"kind": kind, "value": n}
+            elif kind == "max_kl":
+                f = float(v)
+                if f > 0:
+                    return {"kind": kind, "value": f}
             elif kind in ("int4_fraction", "memory_fraction"):
                 f = float(v)
                 if 0.0 < f <= 1.0:
@@ -68,7 +72,7 @@ def parse_target(value: Any) -> dict:
             pass
         if kind in TARGET_KINDS:
             raise ValueError(f"quantization target {kind}={v!r} is out of range (keep_fp: integer >= 0; "
-                             "int4_fraction/memory_fraction: in (0, 1]; memory_bytes: > 0; keep: linear names)")
+                             "int4_fraction/memory_fraction: in (0, 1]; memory_bytes, max_kl: > 0; keep: linear names)")
     raise ValueError(f"quantization target {value!r} is unknown; valid: 'all', or one of "
                      f"{[k for k in TARGET_KINDS if k != 'all']} as 'kind=value' or {{kind: value}}")
 
@@ -171,6 +175,7 @@ class QuantResult:
     seconds: float = 0.0
     calib: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    groups: list[list[str]] = field(default_factory=list)  # linears sharing one input (fused in the graph)
 
 
 def _fold_source(name: str, linears: dict[str, torch.nn.Linear]) -> str | None:
@@ -262,7 +267,8 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
     return QuantResult(cfg.method, cfg.bits, cfg.group_size, linears, overrides, model_fingerprint(model),
                        config=_config_dict(cfg), seconds=time.perf_counter() - t0,
                        calib={"tokens": stats.tokens, "num_chunks": stats.num_chunks, "chunk_len": stats.chunk_len,
-                              "data": stats.data, "seconds": stats.seconds}, notes=notes)
+                              "data": stats.data, "seconds": stats.seconds}, notes=notes,
+                       groups=[list(g) for g in groups.values()])
 
 
 def _config_dict(cfg: QuantConfig) -> dict:
@@ -286,3 +292,35 @@ def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None 
             w = lins[n].weight
             w.copy_(ql.dequantized(w.dtype) if n in chosen else ql.fp_weight(w))
     return sim
+
+
+def resolve_max_kl(model: torch.nn.Module, result: QuantResult, chunks, max_kl: float) -> dict:
+    """Turn a ``max_kl`` target into ``keep_fp=N``: the fewest most-sensitive linear groups kept in
+    the model dtype for which the eager simulation's mean KL against ``model`` on ``chunks``
+    (calibration text) is at most ``max_kl`` (binary search over N; KL falls as N grows)."""
+    from .evaluate import compare, hf_logits_fn, reference_logits
+
+    groups = result.groups or [[n] for n in result.linears]
+    sens = [sum(result.linears[n].err for n in g) / max(1e-30, sum(result.linears[n].signal for n in g))
+            for g in groups]
+    order = sorted(range(len(groups)), key=lambda i: -sens[i])
+    ref = reference_logits(hf_logits_fn(model), chunks)
+
+    def kl_keeping(n: int) -> float:
+        keep = {name for i in order[:n] for name in groups[i]}
+        sim = simulate(model, result, int4=set(result.linears) - keep)
+        return compare(hf_logits_fn(sim), chunks, ref).kl
+
+    lo, hi = 0, len(groups)
+    measured = {}
+    while lo < hi:
+        mid = (lo + hi) // 2
+        measured[mid] = kl_keeping(mid)
+        if measured[mid] <= max_kl:
+            hi = mid
+        else:
+            lo = mid + 1
+    kl = measured.get(lo, 0.0 if lo == len(groups) else kl_keeping(lo))
+    result.notes.append(f"target max_kl={max_kl}: keep_fp={lo} of {len(groups)} linear groups "
+                        f"(KL {kl:.4f} on {len(chunks)} calibration chunks)")
+    return {"kind": "keep_fp", "value": lo}
