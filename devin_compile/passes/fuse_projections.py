@@ -8,7 +8,8 @@ Pattern → replacement::
 This turns q/k/v into one GEMM and gate/up into another, which halves the number of
 linear calls per layer and lets the CPU GEMM work on wider tiles. Invariant: each
 y_i equals the unfused output (the same dot products, in the same order per column).
-Weights that only the fused GEMM read are dropped, so memory does not grow.
+Weights that only the fused GEMM read are dropped, so memory does not grow. The fused
+linear's ``meta["fused_weights"]`` lists the original weight attributes in row order.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class FuseProjections(Pass):
                     b_node.meta["val"] = _fake_like(first.args[1], getattr(gm, f"{name}_bias"))
                     args.append(b_node)
                 y = add_call(graph, aten.linear.default, tuple(args), like=first)
+                y.meta["fused_weights"] = [u.args[1].target for u in order]  # for later passes (assign_precision)
                 sizes = [w.shape[0] for w in weights]
                 parts = add_call(graph, aten.split_with_sizes.default, (y, sizes, -1), like=first)
                 import operator

@@ -1,0 +1,48 @@
+"""``devin::int4_linear``: a linear over a weight-only INT4 (asymmetric, grouped) weight.
+
+Schema::
+
+    devin::int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size,
+                       int out_features, str kernel, Tensor? bias=None, Tensor? dense=None,
+                       int max_int4_tokens=-1, str dense_kernel="linear") -> Tensor
+
+``x`` [..., K] → [..., out_features] in x's dtype. ``qweight``/``scales_zeros`` are in the
+layout of ``kernel`` (``"reference" | "cpu" | "triton"``, see
+:mod:`devin_compile.backends.int4`; the format contract is in :mod:`devin_compile.quant.int4`).
+
+Kernel choice by the number of tokens in the step: when ``dense`` is given (the weight
+dequantized once, at compile time, to the activation dtype) and the call has more than
+``max_int4_tokens`` rows, it runs as a dense linear (``dense_kernel="mkldnn"``: a oneDNN
+prepacked weight, as :mod:`~devin_compile.passes.prepack_linear` makes them); otherwise the
+int4 kernel runs. ``max_int4_tokens=-1`` means "always int4".
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backends import int4 as kernels
+
+_lib = torch.library.Library("devin", "FRAGMENT")
+_lib.define("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size, int out_features, "
+            "str kernel, Tensor? bias=None, Tensor? dense=None, int max_int4_tokens=-1, "
+            "str dense_kernel=\"linear\") -> Tensor")
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                out_features: int, kernel: str, bias: torch.Tensor | None = None,
+                dense: torch.Tensor | None = None, max_int4_tokens: int = -1,
+                dense_kernel: str = "linear") -> torch.Tensor:
+    if dense is not None and max_int4_tokens >= 0 and x.numel() // x.shape[-1] > max_int4_tokens:
+        if dense_kernel == "mkldnn":
+            return torch.ops.mkldnn._linear_pointwise(x, dense, bias, "none", [], "")
+        return torch.nn.functional.linear(x, dense, bias)
+    return kernels.run(x, qweight, scales_zeros, group_size, out_features, kernel, bias)
+
+
+_lib.impl("int4_linear", int4_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("devin::int4_linear", lib=_lib)
+def _(x, qweight, scales_zeros, group_size, out_features, kernel, bias=None, dense=None, max_int4_tokens=-1,
+      dense_kernel="linear"):
+    return x.new_empty((*x.shape[:-1], out_features))

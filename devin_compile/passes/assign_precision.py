@@ -1,0 +1,291 @@
+"""assign_precision: decoder linears → ``devin::int4_linear`` or kept in the model dtype.
+
+Pattern → replacement::
+
+    linear(x, W[, b])  →  devin::int4_linear(x, qweight, scales_zeros, g, N, kernel, b, dense, max_int4_tokens)
+                          (for the linears chosen for INT4; the others keep ``linear``)
+
+Input: a :class:`~devin_compile.quant.quantize.QuantResult` (every decoder linear quantized
+by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and the target.
+
+1. Each graph linear is mapped to the HF linears it computes (one, or several after
+   ``fuse_projections``, which records them in ``node.meta["fused_weights"]``). Linears the
+   result does not cover (lm_head, tied to the embedding in SmolLM2) stay as they are; a
+   fused linear covered only in part is a ``PassError``.
+2. Sensitivity of a graph linear: the relative output error when it alone is quantized,
+   ``Σ tr(ΔW H ΔWᵀ) / Σ tr(W H Wᵀ)`` over its parts, on the calibration tokens.
+3. The target picks the INT4 set: ``all``; ``keep_fp=N`` (all but the N most sensitive);
+   ``int4_fraction=f`` (at least a fraction f of the decoder-linear weights in INT4: the
+   linears with the highest sensitivity per weight stay in the model dtype while the
+   fraction allows); ``memory_bytes=B`` / ``memory_fraction=f`` (decoder-linear weight bytes
+   at most B, or f times their bytes in the model dtype: start all INT4, then restore the
+   linears with the highest sensitivity per extra byte while the budget allows); ``keep=[names]``
+   (these HF linears, and the graph linears fused with them, stay unquantized); ``max_kl=x`` is
+   resolved before compiling into ``keep_fp=N`` by measuring the KL of eager simulations on
+   calibration text (:func:`~devin_compile.quant.quantize.resolve_max_kl`).
+4. INT4 linears become ``devin::int4_linear`` (operands prepared once for the kernel);
+   with ``dense_prefill`` a dequantized dense copy (oneDNN-prepacked on CPU) serves steps of
+   more than ``max_int4_tokens`` tokens. Kept linears of an AWQ result get their folded
+   full-precision weight; AWQ's scaled norm weights replace the originals.
+
+The report's note gives the counts, bytes and kernel; ``details`` is the per-layer table
+(precision, bits, group size, sensitivity, bytes), also kept in ``ctx.extras["precision_table"]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..backends import int4 as kernels
+from ..graph_utils import add_call, is_call
+from ..pipeline import Pass, PassContext, PassError, PassResult
+from ..quant import int4 as fmt
+from ..quant.quantize import DEFAULT_MAX_INT4_TOKENS, QuantConfig, QuantResult
+from .dead_code import eliminate_dead_code
+from .fuse_projections import _fake_like, _param
+from .prepack_linear import prepack_supported
+
+aten = torch.ops.aten
+
+
+def hf_name(target: str) -> str:
+    """Graph attribute of a captured weight → HF module name (``m.model.layers.0.mlp.up_proj.weight``
+    → ``model.layers.0.mlp.up_proj``)."""
+    name = target[2:] if target.startswith("m.") else target
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+@dataclass
+class Candidate:
+    node: torch.fx.Node
+    names: list[str]
+    n: int
+    k: int
+    group_size: int
+    sensitivity: float
+    fp_bytes: int
+    int4_bytes: int
+
+    @property
+    def params(self) -> int:
+        return self.n * self.k
+
+
+def choose_int4(cands: list[Candidate], target: dict) -> set[int]:
+    """Indices of the candidates to quantize for ``target`` (see the module docstring)."""
+    kind, value = target["kind"], target["value"]
+    everything = set(range(len(cands)))
+    if kind == "all":
+        return everything
+    if kind == "max_kl":
+        raise ValueError("quantization target max_kl must be resolved against the model first "
+                         "(quantize_for_optimize / `quantize run` do it: quant.quantize.resolve_max_kl)")
+    if kind == "keep":
+        wanted = set(value)
+        known = {n for c in cands for n in c.names}
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise ValueError(f"quantization target keep names linears the model lacks: {unknown[:3]}")
+        return {i for i, c in enumerate(cands) if not wanted & set(c.names)}
+    if kind == "keep_fp":
+        by_sens = sorted(everything, key=lambda i: -cands[i].sensitivity)
+        return everything - set(by_sens[: min(value, len(cands))])
+    if kind == "int4_fraction":
+        total = sum(c.params for c in cands)
+        int4 = everything.copy()
+        budget = sum(c.params for c in cands) - value * total  # params that may stay unquantized
+        for i in sorted(everything, key=lambda i: -cands[i].sensitivity / cands[i].params):
+            if cands[i].params <= budget + 1e-9:
+                int4.discard(i)
+                budget -= cands[i].params
+        return int4
+    fp_total = sum(c.fp_bytes for c in cands)
+    limit = value if kind == "memory_bytes" else value * fp_total
+    used = sum(c.int4_bytes for c in cands)
+    if used > limit:
+        raise ValueError(f"quantization target {kind}={value}: even all-INT4 decoder linears need {used} bytes, "
+                         f"over the budget of {int(limit)} bytes")
+    int4 = everything.copy()
+    for i in sorted(everything, key=lambda i: -cands[i].sensitivity / max(1, cands[i].fp_bytes - cands[i].int4_bytes)):
+        extra = cands[i].fp_bytes - cands[i].int4_bytes
+        if used + extra <= limit:
+            int4.discard(i)
+            used += extra
+    return int4
+
+
+def _set_attr(gm: torch.fx.GraphModule, name: str, value: torch.Tensor, like: torch.fx.Node | None) -> torch.fx.Node:
+    gm.register_buffer(name, value, persistent=False)
+    node = gm.graph.get_attr(name)
+    if like is not None:
+        node.meta["val"] = _fake_like(like, value)
+    return node
+
+
+class AssignPrecision(Pass):
+    name = "assign_precision"
+
+    def __init__(self, result: QuantResult, qconfig: QuantConfig) -> None:
+        super().__init__(qconfig)
+        self.result = result
+        self.qconfig = qconfig
+
+    def _kernel(self, device: torch.device, dtype: torch.dtype) -> tuple[str, int, bool]:
+        """(kernel, max_int4_tokens, keep a dense copy) for this device and activation dtype."""
+        cfg = self.qconfig
+        kernel = cfg.kernel
+        if kernel == "auto":
+            kernel = "cpu" if device.type == "cpu" else "triton" if kernels.triton_available(device) else "reference"
+        if kernel == "triton" and not kernels.triton_available(device):
+            raise ValueError(f"int4 kernel 'triton' is not available on {device} (needs triton; on CPU only "
+                             "under TRITON_INTERPRET=1)")
+        if kernel == "cpu" and device.type != "cpu":
+            raise ValueError(f"int4 kernel 'cpu' runs on CPU tensors, the model is on {device}")
+        dense = cfg.dense_prefill and kernel == "cpu"
+        if cfg.max_int4_tokens is not None:
+            limit = cfg.max_int4_tokens
+        elif kernel == "cpu":
+            # fp32 activations: the CPU int4 kernel has no fast fp32 path (~50x oneDNN), so every
+            # step uses the dense dequantized copy (quality as INT4, speed and memory as fp32).
+            limit = DEFAULT_MAX_INT4_TOKENS if kernels.cpu_kernel_fast(dtype) else 0
+        else:
+            limit = -1
+        return kernel, (limit if dense else -1), dense
+
+    def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        res = self.result
+        info = ctx.info
+        dtype, device = info.dtype, info.device
+        elem = torch.empty((), dtype=dtype).element_size()
+        cands: list[Candidate] = []
+        for node in graph.nodes:
+            if not is_call(node, aten.linear.default) or _param(gm, node.args[1]) is None:
+                continue
+            targets = node.meta.get("fused_weights") or [node.args[1].target]
+            names = [hf_name(t) for t in targets]
+            known = [n in res.linears for n in names]
+            if not any(known):
+                continue
+            if not all(known):
+                raise PassError(f"assign_precision: graph linear {node.name} computes {names}, but the quantized "
+                                f"model covers only {[n for n, k in zip(names, known) if k]}")
+            w = _param(gm, node.args[1])
+            parts = [res.linears[n] for n in names]
+            n_out = sum(p.shape[0] for p in parts)
+            k = parts[0].shape[1]
+            if tuple(w.shape) != (n_out, k) or any(p.shape[1] != k or p.group_size != parts[0].group_size for p in parts):
+                raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the quantized "
+                                f"parts {names} have shapes {[p.shape for p in parts]}")
+            err = sum(p.err for p in parts)
+            signal = sum(p.signal for p in parts)
+            g = parts[0].group_size
+            cands.append(Candidate(node, names, n_out, k, g, err / max(signal, 1e-30), n_out * k * elem,
+                                   fmt.int4_bytes(n_out, k, g, elem)))
+        if not cands:
+            raise PassError("assign_precision: no graph linear matches the quantized model's linears "
+                            f"(e.g. {next(iter(res.linears), None)}); was it made for this model?")
+        covered = {n for c in cands for n in c.names}
+        uncovered = sorted(set(res.linears) - covered)
+        if uncovered:
+            raise PassError(f"assign_precision: {len(uncovered)} quantized linears have no linear in the graph, "
+                            f"e.g. {uncovered[:3]}")
+        chosen = choose_int4(cands, self.qconfig.target)
+        kernel, max_tokens, dense = self._kernel(device, dtype)
+        packed_dense = dense and device.type == "cpu" and prepack_supported(dtype)
+        rows = []
+        dense_bytes = 0
+        for i, c in enumerate(cands):
+            node = c.node
+            parts = [res.linears[n] for n in c.names]
+            bias = node.args[2] if len(node.args) > 2 else None
+            w_node = node.args[1]
+            if i in chosen:
+                q = torch.cat([p.q for p in parts])
+                scale = torch.cat([p.scale for p in parts])
+                minv = torch.cat([p.minv for p in parts])
+                qw, sz = kernels.prepare(kernel, q, scale, minv, c.group_size, dtype, device)
+                with graph.inserting_before(node):
+                    qw_node = _set_attr(gm, f"int4_{i}_qweight", qw, w_node)
+                    sz_node = _set_attr(gm, f"int4_{i}_scales_zeros", sz, w_node)
+                    kwargs = {"bias": bias, "max_int4_tokens": max_tokens}
+                    if dense:
+                        wd = fmt.dequantize(q, scale, minv, c.group_size, dtype).to(device)
+                        if packed_dense:
+                            wd = torch.ops.mkldnn._reorder_linear_weight(wd, 1)
+                            kwargs["dense_kernel"] = "mkldnn"
+                        kwargs["dense"] = _set_attr(gm, f"int4_{i}_dense", wd, w_node)
+                        dense_bytes += c.fp_bytes
+                    new = add_call(graph, torch.ops.devin.int4_linear.default,
+                                   (node.args[0], qw_node, sz_node, c.group_size, c.n, kernel), kwargs, like=node)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+            elif any(p.in_scale is not None or p.row_scale is not None for p in parts):
+                w = _param(gm, w_node)
+                pieces, start = [], 0
+                for p in parts:
+                    pieces.append(p.fp_weight(w[start:start + p.shape[0]].detach()))
+                    start += p.shape[0]
+                with graph.inserting_before(node):
+                    new_w = _set_attr(gm, f"awq_{i}_weight", torch.cat(pieces), w_node)
+                node.replace_input_with(w_node, new_w)
+            bits = 4 if i in chosen else elem * 8
+            why = next((p.group_note for p in parts if p.group_note), "")
+            rows.append({"linear": _label(c.names), "graph_node": node.name, "precision": "int4" if i in chosen
+                         else str(dtype).replace("torch.", ""), "bits": bits,
+                         "group_size": c.group_size if i in chosen else None, "group_note": why,
+                         "sensitivity": c.sensitivity, "bytes": c.int4_bytes if i in chosen else c.fp_bytes,
+                         "params": c.params})
+        self._apply_overrides(gm)
+        removed = eliminate_dead_code(gm)
+        ctx.extras["precision_table"] = rows
+        n4 = len(chosen)
+        p4 = sum(c.params for i, c in enumerate(cands) if i in chosen)
+        ptot = sum(c.params for c in cands)
+        total_bytes = sum(r["bytes"] for r in rows)
+        fp_bytes = sum(c.fp_bytes for c in cands)
+        groups = sorted({(c.group_size, why) for c, r in zip(cands, rows) for why in [r["group_note"]]})
+        gnote = "; ".join(f"g{g}" + (f" ({why})" if why else "") for g, why in groups)
+        mode = (f"{kernel} kernel for steps of <= {max_tokens} tokens, dense {'oneDNN ' if packed_dense else ''}copy above"
+                if dense and max_tokens > 0 else "dense dequantized copy for every step (fp32: the CPU int4 kernel "
+                "has no fast fp32 path)" if dense else f"{kernel} kernel for every step")
+        note = (f"{res.method} INT4 {n4}/{len(cands)} linears ({p4 / ptot:.1%} of decoder-linear weights), "
+                f"target {self.qconfig.target['kind']}"
+                + (f"={self.qconfig.target['value']}" if self.qconfig.target["value"] is not None else "")
+                + f"; decoder-linear weights {total_bytes / 2**20:.1f} MiB vs {fp_bytes / 2**20:.1f} MiB"
+                + (f" (+ {dense_bytes / 2**20:.1f} MiB dense copies for long steps: dense_prefill=False drops them)"
+                   if dense_bytes else "")
+                + f"; {gnote}; {mode}; "
+                f"{removed} nodes removed")
+        return PassResult(matches=n4, note=note, details=precision_table_markdown(rows))
+
+    def _apply_overrides(self, gm: torch.fx.GraphModule) -> None:
+        for j, (pname, value) in enumerate(sorted(self.result.overrides.items())):
+            nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "m." + pname]
+            if not nodes:
+                raise PassError(f"assign_precision: the graph never reads {pname}, which AWQ rescaled")
+            old = _param(gm, nodes[0])
+            attr = f"awq_override_{j}"
+            gm.register_buffer(attr, value.to(device=old.device, dtype=old.dtype), persistent=False)
+            for n in nodes:
+                n.target = attr
+
+
+def _label(names: list[str]) -> str:
+    """``a.b.q_proj+k_proj+v_proj`` for fused siblings (full names when prefixes differ)."""
+    prefix = names[0].rpartition(".")[0]
+    if all(n.rpartition(".")[0] == prefix for n in names):
+        return "+".join([names[0]] + [n.rpartition(".")[2] for n in names[1:]])
+    return "+".join(names)
+
+
+def precision_table_markdown(rows: list[dict]) -> str:
+    lines = ["| linear | precision | group | sensitivity | bytes |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        g = "" if r["group_size"] is None else str(r["group_size"]) + (" *" if r["group_note"] else "")
+        lines.append(f"| {r['linear']} | {r['precision']} | {g} | {r['sensitivity']:.2e} | {r['bytes']} |")
+    notes = sorted({r["group_note"] for r in rows if r["group_note"]})
+    lines.extend(f"\n\\* {n}" for n in notes)
+    return "\n".join(lines)

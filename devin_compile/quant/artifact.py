@@ -1,0 +1,134 @@
+"""A quantized model on disk: ``quantized.safetensors`` + ``quant_config.json`` (no pickle).
+
+Tensors, per decoder linear ``NAME`` (HF module name)::
+
+    NAME.qweight    uint8 [N, ceil(K/2)]  two 4-bit values a byte, even column low (see quant.int4)
+    NAME.scale      fp32  [N, G]
+    NAME.minv       fp32  [N, G]
+    NAME.in_scale   fp32  [K]   (AWQ only) the quantized weight is W · diag(in_scale)
+    NAME.row_scale  fp32  [N]   (AWQ only) ... and diag(row_scale) · W
+    override.PARAM  model dtype   a replacement for an HF parameter (AWQ-scaled norm weights)
+
+``quant_config.json`` holds the format name and version, the method, bits, requested group
+size and the options it was made with (target, kernel, ...), the model's fingerprint
+(:func:`~devin_compile.quant.calibration.model_fingerprint`), and per linear its shape,
+group size (and why it differs from the requested one), output error and signal.
+
+:func:`load` checks everything against the model: format and version, fingerprint, every
+tensor present with the shape and dtype the JSON and the model imply, q values in range;
+anything wrong is a ``ValueError`` naming the tensor, never silent garbage.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from . import int4 as fmt
+from .calibration import check_fingerprint, decoder_linears
+from .quantize import QLinear, QuantResult
+
+TENSORS_FILE = "quantized.safetensors"
+CONFIG_FILE = "quant_config.json"
+FORMAT = "devin-compile-int4"
+VERSION = 1
+
+
+def save(result: QuantResult, out_dir: str | os.PathLike) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    layers = {}
+    for name, ql in result.linears.items():
+        tensors[f"{name}.qweight"] = fmt.pack_nibbles(ql.q)
+        tensors[f"{name}.scale"] = ql.scale.float().contiguous()
+        tensors[f"{name}.minv"] = ql.minv.float().contiguous()
+        if ql.in_scale is not None:
+            tensors[f"{name}.in_scale"] = ql.in_scale.float().clone()  # q/k/v share one: safetensors wants copies
+        if ql.row_scale is not None:
+            tensors[f"{name}.row_scale"] = ql.row_scale.float().clone()
+        layers[name] = {"shape": list(ql.shape), "group_size": ql.group_size, "group_note": ql.group_note,
+                        "err": ql.err, "signal": ql.signal,
+                        "in_scale": ql.in_scale is not None, "row_scale": ql.row_scale is not None}
+    for pname, value in result.overrides.items():
+        tensors[f"override.{pname}"] = value.contiguous()
+    meta = {"format": FORMAT, "version": VERSION, "method": result.method, "bits": result.bits,
+            "group_size": result.group_size, "config": result.config, "fingerprint": result.fingerprint,
+            "seconds": result.seconds, "calib": result.calib, "notes": result.notes, "linears": layers,
+            "overrides": sorted(result.overrides), "groups": result.groups}
+    save_file(tensors, str(out / TENSORS_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
+    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str))
+    return out
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
+    """Read an artifact written by :func:`save` and check it against ``model``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_dir() or not (p / CONFIG_FILE).exists() or not (p / TENSORS_FILE).exists():
+        raise FileNotFoundError(f"{p} is not a quantized-model directory (needs {CONFIG_FILE} and {TENSORS_FILE}; "
+                                "make one with `devin-compile quantize run`)")
+    try:
+        meta = json.loads((p / CONFIG_FILE).read_text())
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p / CONFIG_FILE} is corrupted: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{p / CONFIG_FILE} is not a version-{VERSION} {FORMAT} artifact")
+    try:
+        tensors = load_file(str(p / TENSORS_FILE))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"{p / TENSORS_FILE} is corrupted or truncated: {e}") from None
+    check_fingerprint(meta["fingerprint"], model, f"quantized model {p}")
+    lins = decoder_linears(model)
+    layers = meta["linears"]
+    unknown = sorted(set(layers) - set(lins))
+    if unknown:
+        raise ValueError(f"quantized model {p} has linears this model lacks, e.g. {unknown[:3]}")
+
+    def get(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"quantized model {p} is missing tensor {name!r}")
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"quantized model {p}: tensor {name!r} is {t.dtype}{list(t.shape)}, "
+                             f"expected {dtype}{list(shape)}")
+        return t
+
+    linears = {}
+    for name, info in layers.items():
+        n, k = lins[name].out_features, lins[name].in_features
+        if list(info["shape"]) != [n, k]:
+            raise ValueError(f"quantized model {p}: {name} has shape {info['shape']}, the model's is {[n, k]}")
+        g = int(info["group_size"])
+        ng = fmt.num_groups(k, g)
+        q = fmt.unpack_nibbles(get(f"{name}.qweight", (n, (k + 1) // 2), torch.uint8), k)
+        if q.max() > fmt.QMAX:  # unreachable for nibbles; kept for the format's invariant
+            raise ValueError(f"quantized model {p}: {name}.qweight has values above {fmt.QMAX}")
+        scale = get(f"{name}.scale", (n, ng), torch.float32)
+        minv = get(f"{name}.minv", (n, ng), torch.float32)
+        if not (torch.isfinite(scale).all() and torch.isfinite(minv).all()):
+            raise ValueError(f"quantized model {p}: {name} has non-finite scales or zeros")
+        s_in = get(f"{name}.in_scale", (k,), torch.float32) if info.get("in_scale") else None
+        s_row = get(f"{name}.row_scale", (n,), torch.float32) if info.get("row_scale") else None
+        linears[name] = QLinear(q, scale, minv, g, info.get("group_note", ""), float(info["err"]),
+                                float(info["signal"]), s_in, s_row)
+    params = dict(model.named_parameters())
+    overrides = {}
+    for pname in meta.get("overrides", []):
+        if pname not in params:
+            raise ValueError(f"quantized model {p} overrides parameter {pname!r}, which this model lacks")
+        t = tensors.get(f"override.{pname}")
+        if t is None or tuple(t.shape) != tuple(params[pname].shape) or not t.is_floating_point():
+            raise ValueError(f"quantized model {p}: tensor 'override.{pname}' is missing or is not a float tensor "
+                             f"of shape {list(params[pname].shape)}")
+        overrides[pname] = t
+    return QuantResult(meta["method"], int(meta["bits"]), int(meta["group_size"]), linears, overrides,
+                       meta["fingerprint"], config=meta.get("config", {}), seconds=float(meta.get("seconds", 0.0)),
+                       calib=meta.get("calib", {}), notes=list(meta.get("notes", [])),
+                       groups=[list(g) for g in meta.get("groups", [])])

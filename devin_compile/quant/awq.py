@@ -1,0 +1,81 @@
+"""AWQ (Lin et al. 2023): activation-aware per-input-channel scales, then a clipping search.
+
+For linears that share one input ``x`` (q/k/v after the attention norm, gate/up after the
+MLP norm, o after v when shapes allow, down after up), one scale vector ``s`` [K] is
+chosen: ``W_i · diag(s)`` is quantized instead of ``W_i`` and ``1/s`` is folded into the op
+that produced ``x`` (the norm's weight, or the preceding linear's output rows), so the
+full-precision model is unchanged (``(W diag(s)) (x / s) = W x``).
+
+- Scale search: ``s = mean|x| ** α`` (normalised by ``sqrt(max · min)``) for α on a 20-point
+  grid ``0, 0.05, …, 0.95``; the winner minimises the group's output error after RTN,
+  ``Σ_i tr(ΔW_i H ΔW_iᵀ)`` with ``ΔW_i = Q(W_i s)/s − W_i`` and ``H = mean(x xᵀ)``: exact over
+  every calibration token, with no stored activations. α = 0 is plain RTN, so the search
+  never does worse than RTN on this measure.
+- Clipping search (not on q/k, whose errors are amplified by the softmax): per output row
+  and group, the grid's range ``[r·min, r·max]`` for ``r = 1, 0.95, …, 0.55`` (10 points)
+  that minimises that group's share of the output error ``Δw_g H_gg Δw_gᵀ``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import int4 as fmt
+
+ALPHA_GRID = tuple(i / 20 for i in range(20))
+CLIP_GRID = tuple(1 - i / 20 for i in range(10))
+
+
+def output_error(dw: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Per-row ``Δw H Δwᵀ`` (the mean squared output error over the calibration tokens)."""
+    return ((dw @ h) * dw).sum(1)
+
+
+def rtn_error(w: torch.Tensor, h: torch.Tensor, group_size: int, s: torch.Tensor | None = None) -> torch.Tensor:
+    """Total output error of RTN on ``w · diag(s)`` measured in ``x``'s basis."""
+    ws = w if s is None else w * s[None, :]
+    q, sc, mn = fmt.rtn_quantize(ws, group_size)
+    deq = fmt.dequantize(q, sc, mn, group_size)
+    dw = deq - ws if s is None else deq / s[None, :] - w
+    return output_error(dw, h).sum()
+
+
+def search_scale(weights: list[torch.Tensor], h: torch.Tensor, absmean: torch.Tensor,
+                 group_size: int) -> tuple[torch.Tensor, float, float, float]:
+    """→ (s [K], best α, error at best α, error at α = 0 i.e. plain RTN)."""
+    base = absmean.float().clamp(min=1e-5)
+    best = (None, 0.0, float("inf"))
+    rtn = None
+    for a in ALPHA_GRID:
+        s = base.pow(a)
+        s = s / (s.max() * s.min()).sqrt()
+        err = float(sum(rtn_error(w, h, group_size, s) for w in weights))
+        if a == 0.0:
+            rtn = err
+        if err < best[2]:
+            best = (s, a, err)
+    return best[0], best[1], best[2], rtn
+
+
+def clip_search(w: torch.Tensor, h: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, minv) [N, G] with each (row, group)'s range shrunk by the best ratio in CLIP_GRID."""
+    n, k = w.shape
+    lo0, hi0 = fmt.group_minmax(w, group_size)
+    if k % group_size:  # a short last group: keep the plain min-max grid
+        return fmt.params_from_range(lo0, hi0)
+    g = k // group_size
+    wg = w.float().view(n, g, group_size)
+    idx = torch.arange(g)
+    hg = h.float().view(g, group_size, g, group_size)[idx, :, idx, :]  # [G, gs, gs] diagonal blocks
+    best_err = torch.full((n, g), float("inf"))
+    best_lo, best_hi = lo0.clone(), hi0.clone()
+    for r in CLIP_GRID:
+        lo, hi = lo0 * r, hi0 * r
+        s, m = fmt.params_from_range(lo, hi)
+        q = ((wg - m[..., None]) / s[..., None]).round().clamp(0, fmt.QMAX)
+        d = q * s[..., None] + m[..., None] - wg  # [N, G, gs]
+        err = (torch.einsum("ngi,gij->ngj", d, hg) * d).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_lo = torch.where(better, lo, best_lo)
+        best_hi = torch.where(better, hi, best_hi)
+    return fmt.params_from_range(best_lo, best_hi)

@@ -1,0 +1,256 @@
+"""Calibration: real-text token chunks and per-input activation statistics.
+
+Data: ``../shared/data/tinyshakespeare.txt`` from the project root by default
+(``DEVIN_COMPILE_DATA`` or ``data=`` override). The text is tokenized once; calibration
+takes chunks from the start of the token stream and evaluation from its end
+(:func:`token_chunks`), so the two never overlap while both fit.
+
+Statistics (:func:`collect_stats`), gathered with forward hooks on the Hugging Face model,
+one entry per distinct *input* of the decoder's linears (q/k/v share one input, gate/up
+another):
+
+- ``hessian`` [K, K] fp32: ``mean(x xᵀ)`` over all calibration tokens (GPTQ's Hessian up to
+  a factor 2; also the exact quadratic form of a linear's output error:
+  ``E‖ΔW x‖² = tr(ΔW H ΔWᵀ)``, which AWQ's searches and the sensitivities use);
+- ``absmean`` [K]: ``mean |x|`` per channel (AWQ's activation scale);
+- which norm module produced the input, when it is a norm's output (the place AWQ folds
+  its scales into).
+
+Saved as ``stats.safetensors`` + ``calib.json`` (no pickle).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+STATS_FILE = "stats.safetensors"
+META_FILE = "calib.json"
+FORMAT_VERSION = 1
+
+
+def default_data_path() -> Path:
+    env = os.environ.get("DEVIN_COMPILE_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def load_token_stream(tokenizer, data: str | os.PathLike | None = None) -> torch.Tensor:
+    """The whole data file as one int64 token stream (no special tokens)."""
+    path = Path(data) if data is not None else default_data_path()
+    if not path.exists():
+        raise FileNotFoundError(f"calibration/evaluation text {path} does not exist (give --data FILE)")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def token_chunks(stream: torch.Tensor, num_chunks: int, chunk_len: int, *, from_end: bool = False,
+                 what: str = "calibration") -> list[torch.Tensor]:
+    """``num_chunks`` consecutive chunks of ``chunk_len`` tokens from the start (or the end) of
+    ``stream``. Too short a stream is a ``ValueError`` saying how many tokens are needed."""
+    if num_chunks < 1 or chunk_len < 2:
+        raise ValueError(f"{what}: need num_chunks >= 1 and chunk_len >= 2, got {num_chunks} x {chunk_len}")
+    need = num_chunks * chunk_len
+    if stream.numel() < need:
+        raise ValueError(f"{what} text is too short: {num_chunks} chunks of {chunk_len} tokens need {need} "
+                         f"tokens, the text has {stream.numel()}; give a longer --data file or fewer chunks")
+    base = stream.numel() - need if from_end else 0
+    return [stream[base + i * chunk_len: base + (i + 1) * chunk_len] for i in range(num_chunks)]
+
+
+def calibration_and_eval_chunks(stream: torch.Tensor, calib: tuple[int, int], evaluation: tuple[int, int]):
+    """Disjoint calibration (start) and evaluation (end) chunks; an error if they would overlap."""
+    need = calib[0] * calib[1] + evaluation[0] * evaluation[1]
+    if stream.numel() < need:
+        raise ValueError(f"text is too short for disjoint slices: {calib[0]}x{calib[1]} calibration + "
+                         f"{evaluation[0]}x{evaluation[1]} evaluation tokens need {need}, the text has {stream.numel()}")
+    return (token_chunks(stream, *calib), token_chunks(stream, *evaluation, from_end=True, what="evaluation"))
+
+
+def decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Every ``nn.Linear`` of the model except the output head (lm_head, tied or not)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+
+
+def _norm_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """RMSNorm-style modules (``y = weight * normalize(x)``) whose weight AWQ may divide by a scale."""
+    out = {}
+    for n, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if type(m).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1:
+            if "gemma" in type(m).__name__.lower():  # y = (1 + w) * normalize(x): not a plain scale
+                continue
+            out[n] = m
+    return out
+
+
+def model_fingerprint(model: torch.nn.Module) -> dict:
+    """Identifies a model's weights independently of dtype: config shape facts plus a hash of
+    each decoder linear's shape and first row (rounded to bf16)."""
+    cfg = model.config
+    h = hashlib.sha256()
+    for name, lin in decoder_linears(model).items():
+        w = lin.weight.detach()
+        h.update(name.encode())
+        h.update(str(tuple(w.shape)).encode())
+        h.update(w[0, : min(64, w.shape[1])].to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return {"model_type": getattr(cfg, "model_type", type(model).__name__),
+            "num_hidden_layers": getattr(cfg, "num_hidden_layers", None),
+            "hidden_size": getattr(cfg, "hidden_size", None),
+            "vocab_size": getattr(cfg, "vocab_size", None),
+            "weights_sha256": h.hexdigest()}
+
+
+def check_fingerprint(expected: dict, model: torch.nn.Module, what: str) -> None:
+    got = model_fingerprint(model)
+    diffs = [f"{k}: {what} has {expected.get(k)!r}, model has {got[k]!r}" for k in got if expected.get(k) != got[k]]
+    if diffs:
+        raise ValueError(f"{what} was made for a different model ({'; '.join(diffs[:3])})")
+
+
+@dataclass
+class CalibrationStats:
+    hessian: dict[str, torch.Tensor]  # input key → [K, K] mean x xᵀ (fp32)
+    absmean: dict[str, torch.Tensor]  # input key → [K] mean |x|
+    linear_input: dict[str, str]  # linear module name → input key
+    producer: dict[str, str]  # input key → norm module name that produced it (if any)
+    tokens: int
+    num_chunks: int
+    chunk_len: int
+    fingerprint: dict
+    seconds: float = 0.0
+    data: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def save(self, out_dir: str | os.PathLike) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {f"{k}.hessian": v.contiguous() for k, v in self.hessian.items()}
+        tensors.update({f"{k}.absmean": v.contiguous() for k, v in self.absmean.items()})
+        save_file(tensors, str(out / STATS_FILE))
+        meta = {"format": "devin-compile-calibration", "version": FORMAT_VERSION, "inputs": sorted(self.hessian),
+                "linear_input": self.linear_input, "producer": self.producer, "tokens": self.tokens,
+                "num_chunks": self.num_chunks, "chunk_len": self.chunk_len, "fingerprint": self.fingerprint,
+                "seconds": self.seconds, "data": self.data}
+        (out / META_FILE).write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: torch.nn.Module | None = None) -> "CalibrationStats":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        if not (p / META_FILE).exists() or not (p / STATS_FILE).exists():
+            raise FileNotFoundError(f"{p} is not a calibration directory (needs {META_FILE} and {STATS_FILE}; "
+                                    "make one with `devin-compile quantize calibrate`)")
+        try:
+            meta = json.loads((p / META_FILE).read_text())
+            tensors = load_file(str(p / STATS_FILE))
+        except (json.JSONDecodeError, SafetensorError, OSError) as e:
+            raise ValueError(f"calibration directory {p} is corrupted: {e}") from None
+        if meta.get("format") != "devin-compile-calibration" or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{p / META_FILE} is not a version-{FORMAT_VERSION} devin-compile calibration file")
+        hessian, absmean = {}, {}
+        for k in meta["inputs"]:
+            if f"{k}.hessian" not in tensors or f"{k}.absmean" not in tensors:
+                raise ValueError(f"calibration directory {p} is missing the statistics of input {k!r}")
+            hessian[k], absmean[k] = tensors[f"{k}.hessian"], tensors[f"{k}.absmean"]
+            kdim = absmean[k].shape[0]
+            if tuple(hessian[k].shape) != (kdim, kdim):
+                raise ValueError(f"calibration {p}: {k}.hessian has shape {tuple(hessian[k].shape)}, expected {(kdim, kdim)}")
+        stats = cls(hessian, absmean, meta["linear_input"], meta["producer"], meta["tokens"], meta["num_chunks"],
+                    meta["chunk_len"], meta["fingerprint"], meta.get("seconds", 0.0), meta.get("data", ""))
+        if model is not None:
+            check_fingerprint(stats.fingerprint, model, f"calibration {p}")
+            lins = decoder_linears(model)
+            for name, key in stats.linear_input.items():
+                if name not in lins or lins[name].in_features != stats.absmean[key].shape[0]:
+                    raise ValueError(f"calibration {p}: linear {name!r} does not match the model")
+        return stats
+
+
+def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
+                  progress: Callable[[int, int], None] | None = None, data: str = "") -> CalibrationStats:
+    """Run ``chunks`` through ``model`` and accumulate :class:`CalibrationStats` (see module doc)."""
+    if not chunks:
+        raise ValueError("calibration needs at least one chunk of tokens")
+    t0 = time.perf_counter()
+    linears = decoder_linears(model)
+    if not linears:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layers besides its output head: nothing to quantize")
+    norms = _norm_modules(model)
+    hessian: dict[str, torch.Tensor] = {}
+    absmean: dict[str, torch.Tensor] = {}
+    linear_input: dict[str, str] = {}
+    producer: dict[str, str] = {}
+    live: dict[int, tuple[torch.Tensor, str]] = {}  # id(input tensor) → (tensor, key), this chunk only
+    norm_out: dict[int, tuple[torch.Tensor, str]] = {}
+    tokens = 0
+
+    def pre_hook(name):
+        def hook(_mod, args):
+            x = args[0]
+            hit = live.get(id(x))
+            if hit is not None and hit[0] is x:
+                key = hit[1]
+            else:
+                key = name
+                live[id(x)] = (x, key)
+                x2 = x.detach().reshape(-1, x.shape[-1]).float()
+                h = x2.t() @ x2
+                a = x2.abs().sum(0)
+                if key in hessian:
+                    hessian[key] += h
+                    absmean[key] += a
+                else:
+                    hessian[key], absmean[key] = h, a
+                    n = norm_out.get(id(x))
+                    if n is not None and n[0] is x:
+                        producer[key] = n[1]
+            prev = linear_input.setdefault(name, key)
+            if prev != key:
+                raise RuntimeError(f"calibration: {name} read a different input on a later chunk ({prev} vs {key})")
+        return hook
+
+    def norm_hook(name):
+        def hook(_mod, _args, out):
+            if isinstance(out, torch.Tensor):
+                norm_out[id(out)] = (out, name)
+        return hook
+
+    handles = [m.register_forward_pre_hook(pre_hook(n)) for n, m in linears.items()]
+    handles += [m.register_forward_hook(norm_hook(n)) for n, m in norms.items()]
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for i, chunk in enumerate(chunks):
+                live.clear()
+                norm_out.clear()
+                model(input_ids=chunk.reshape(1, -1).to(device), use_cache=False)
+                tokens += chunk.numel()
+                if progress is not None:
+                    progress(i + 1, len(chunks))
+    finally:
+        for h in handles:
+            h.remove()
+        live.clear()
+        norm_out.clear()
+    for k in hessian:
+        hessian[k] = (hessian[k] / tokens).cpu()
+        absmean[k] = (absmean[k] / tokens).cpu()
+    missing = sorted(set(linears) - set(linear_input))
+    if missing:
+        raise ValueError(f"calibration: {len(missing)} linears never ran on the calibration text, e.g. {missing[:3]}")
+    return CalibrationStats(hessian, absmean, linear_input, producer, tokens, len(chunks), int(chunks[0].numel()),
+                            model_fingerprint(model), time.perf_counter() - t0, data)

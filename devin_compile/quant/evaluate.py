@@ -1,0 +1,72 @@
+"""Quality of a quantized model against the unquantized one, on fixed token chunks.
+
+For each chunk of ``L`` tokens both models are run teacher-forced (full sequence) and
+compared at every position that predicts a next token (``L - 1`` per chunk):
+
+- perplexity: ``exp(mean NLL)`` of the true next token, for each model;
+- KL divergence ``KL(p_ref ‖ p_quant)`` over the full vocabulary, mean over positions;
+- top-1 agreement: fraction of positions where both argmaxes agree.
+
+``logits_fn`` maps a [1, L] id tensor to [1, L, V] logits (an HF model's ``.logits``, an
+``OptimizedModel`` call, ...). Reference logits can be computed once and reused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def hf_logits_fn(model: torch.nn.Module) -> LogitsFn:
+    device = next(model.parameters()).device
+
+    def fn(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids.to(device), use_cache=False).logits.float().cpu()
+
+    return fn
+
+
+def optimized_logits_fn(opt) -> LogitsFn:
+    return lambda ids: opt(ids).logits.float()
+
+
+@dataclass
+class Quality:
+    ppl_ref: float
+    ppl: float
+    kl: float
+    top1: float
+    tokens: int
+
+    @property
+    def ppl_increase(self) -> float:
+        return self.ppl / self.ppl_ref - 1.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["ppl_increase"] = self.ppl_increase
+        return d
+
+
+def reference_logits(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [logits_fn(c.reshape(1, -1))[0, :-1].float() for c in chunks]
+
+
+def compare(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> Quality:
+    nll_ref = nll = kl = agree = 0.0
+    n = 0
+    for chunk, r in zip(chunks, ref):
+        q = logits_fn(chunk.reshape(1, -1))[0, :-1].float()
+        target = chunk[1:]
+        lr, lq = torch.log_softmax(r, -1), torch.log_softmax(q, -1)
+        nll_ref += float(-lr.gather(1, target[:, None]).sum())
+        nll += float(-lq.gather(1, target[:, None]).sum())
+        kl += float((lr.exp() * (lr - lq)).sum())
+        agree += float((r.argmax(-1) == q.argmax(-1)).sum())
+        n += target.numel()
+    return Quality(math.exp(nll_ref / n), math.exp(nll / n), kl / n, agree / n, n)

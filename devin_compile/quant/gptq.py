@@ -1,0 +1,93 @@
+"""GPTQ (Frantar et al. 2022): quantize columns one at a time, pushing each column's rounding
+error onto the columns not yet quantized through the inverse Hessian.
+
+``H = mean(x xᵀ)`` over the calibration tokens (the layer's input statistics). Steps:
+dead input channels (``H_ii = 0``) get ``H_ii = 1`` and a zero weight column; dampening
+``λ = damp · mean(diag H)`` is added to the diagonal and multiplied by 10 until the
+Cholesky factorisation succeeds (at most 6 tries, the last ``λ`` is reported); the upper
+Cholesky factor of ``H⁻¹`` drives the updates; columns are processed in blocks of
+``block_size`` (128) with the lazy batch update of the rest of the matrix after each
+block. ``act_order=True`` visits columns by decreasing ``H_ii``; groups are then fixed up
+front from the original weights ("static groups", so a group's columns share one grid
+whatever the visiting order); without it each group's grid is fitted when its first
+column is reached, on the already-updated weights.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import int4 as fmt
+
+
+def _damped_inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+    k = h.shape[0]
+    lam = damp * float(torch.diag(h).mean())
+    eye = torch.eye(k, dtype=h.dtype)
+    for _ in range(6):
+        try:
+            lower = torch.linalg.cholesky(h + lam * eye)
+            hinv = torch.cholesky_inverse(lower)
+            return torch.linalg.cholesky(hinv, upper=True), lam
+        except torch.linalg.LinAlgError:
+            lam *= 10.0
+    raise ValueError(f"GPTQ: the Hessian is not positive definite even with dampening {lam:.3g}; "
+                     "calibrate on more (or more varied) text")
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: float = 0.01,
+                  block_size: int = 128, act_order: bool = False,
+                  grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """→ (q uint8 [N, K], scale [N, G], minv [N, G], info) in the format of :mod:`.int4`.
+
+    ``grid``: fixed (scale, minv) per group (static groups), e.g. from a clipping search."""
+    n, k = w.shape
+    W = w.detach().float().clone()
+    H = h.detach().double().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    ng = fmt.num_groups(k, group_size)
+    scale = torch.empty(n, ng)
+    minv = torch.empty(n, ng)
+    static = act_order or grid is not None
+    if static:
+        s0, m0 = grid if grid is not None else fmt.params_from_range(*fmt.group_minmax(W, group_size))
+        scale.copy_(s0)
+        minv.copy_(m0)
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+    else:
+        perm = torch.arange(k)
+    W = W[:, perm]
+    H = H[perm][:, perm]
+    U, lam = _damped_inverse_cholesky(H, damp)
+    U = U.float()
+    Q = torch.zeros(n, k, dtype=torch.uint8)
+    group_of = torch.div(perm, group_size, rounding_mode="floor").tolist()
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        W1 = W[:, i1:i2].clone()
+        Err = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            g = group_of[col]
+            if not static and col % group_size == 0:
+                # fit this group's grid on the current (error-updated) weights of its columns
+                if i + group_size <= i2 - i1:
+                    cols = W1[:, i:i + group_size]
+                else:  # a group that crosses the block's end (block_size not a multiple of it)
+                    cols = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :group_size]
+                lo, hi = cols.amin(1), cols.amax(1)
+                s, m = fmt.params_from_range(lo, hi)
+                scale[:, g], minv[:, g] = s, m
+            s, m = scale[:, g], minv[:, g]
+            x = W1[:, i]
+            q = ((x - m) / s).round_().clamp_(0, fmt.QMAX)
+            Q[:, col] = q.to(torch.uint8)
+            err = (x - (q * s + m)) / U1[i, i]
+            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            Err[:, i] = err
+        W[:, i2:] -= Err @ U[i1:i2, i2:]
+    inv = torch.argsort(perm)
+    return Q[:, inv].contiguous(), scale, minv, {"damp": lam, "act_order": act_order, "static_groups": static}
