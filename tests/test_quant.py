@@ -383,3 +383,14 @@ def test_max_kl_target_is_resolved_by_measurement(tiny):
     chunks = [torch.randint(3, 256, (64,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     target = resolve_max_kl(model, mid, chunks, 1e-4)
     assert 0 <= target["value"] <= 8 and target["kind"] == "keep_fp"
+
+
+def test_quantize_weight_hooks_used_by_gpu_check():
+    from devin_compile.ops import int4_linear
+
+    w = torch.randn(192, 576).bfloat16()
+    x = torch.randn(8, 576).bfloat16()
+    ops = int4_linear.quantize_weight(w, group_size=64)
+    assert ops[-1] == "cpu"
+    out = torch.ops.devin.int4_linear(x, *ops)
+    assert (out.float() - int4_linear.reference_int4_linear(x, ops).float()).abs().max() < 5e-2

@@ -46,3 +46,28 @@ _lib.impl("int4_linear", int4_linear, "CompositeExplicitAutograd")
 def _(x, qweight, scales_zeros, group_size, out_features, kernel, bias=None, dense=None, max_int4_tokens=-1,
       dense_kernel="linear"):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def quantize_weight(w: torch.Tensor, group_size: int = 64, kernel: str | None = None) -> tuple:
+    """RTN-quantize a dense [N, K] weight into the op's operands ``(qweight, scales_zeros,
+    group_size, out_features, kernel)`` for ``w``'s device (``torch.ops.devin.int4_linear(x, *ops)``);
+    ``kernel`` defaults to "cpu" on CPU and "triton" (else "reference") elsewhere."""
+    from ..quant import int4 as fmt
+
+    if kernel is None:
+        kernel = "cpu" if w.device.type == "cpu" else "triton" if kernels.triton_available(w.device) else "reference"
+    q, s, m = fmt.rtn_quantize(w.detach().float().cpu(), group_size)
+    qw, sz = kernels.prepare(kernel, q, s, m, group_size, w.dtype, w.device)
+    return qw, sz, group_size, w.shape[0], kernel
+
+
+def reference_int4_linear(x: torch.Tensor, operands: tuple) -> torch.Tensor:
+    """The torch reference on the operands of :func:`quantize_weight` (any kernel's layout)."""
+    from ..quant import int4 as fmt
+
+    qw, sz, group_size, n, kernel = operands
+    if kernel == "cpu":  # back to the stored nibble layout the reference reads
+        kp = sz.shape[0] * group_size
+        qw = fmt.pack_nibbles(fmt.unpack_cpu(qw, qw.shape[0], kp))
+        sz = sz[:, :n]
+    return kernels.run(x, qw, sz, group_size, n, "reference")
