@@ -246,7 +246,7 @@ class AssignPrecision(Pass):
         ptot = sum(c.params for c in cands)
         total_bytes = sum(r["bytes"] for r in rows)
         fp_bytes = sum(c.fp_bytes for c in cands)
-        groups = sorted({(c.group_size, why) for c, r in zip(cands, rows) for why in [r["group_note"]]})
+        groups = sorted({(c.group_size, r["group_note"]) for c, r in zip(cands, rows)})
         gnote = "; ".join(f"g{g}" + (f" ({why})" if why else "") for g, why in groups)
         mode = (f"{kernel} kernel for steps of <= {max_tokens} tokens, dense {'oneDNN ' if packed_dense else ''}copy above"
                 if dense and max_tokens > 0 else "dense dequantized copy for every step (fp32: the CPU int4 kernel "
