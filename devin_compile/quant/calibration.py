@@ -39,7 +39,12 @@ def default_data_path() -> Path:
     env = os.environ.get("DEVIN_COMPILE_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+    beside = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+    if beside.exists():
+        return beside
+    # a checkout elsewhere (e.g. a CI clone not next to ../shared): the workspace's shared data
+    workspace = Path("/work/shared/data/tinyshakespeare.txt")
+    return workspace if workspace.exists() else beside
 
 
 def load_token_stream(tokenizer, data: str | os.PathLike | None = None) -> torch.Tensor:

@@ -322,6 +322,7 @@ class Engine:
         """
         a = self.allocator
         live, slots = self._slot_usage()
+        padded_keys = getattr(self.runner, "attention_padded_keys", 0)  # test runners may not count
         stats = {
             "blocks_total": a.num_blocks, "blocks_used": a.num_used, "blocks_free": a.num_free,
             "blocks_used_peak": a.peak_used,
@@ -330,8 +331,8 @@ class Engine:
             "live_slot_fraction": (live / slots) if slots else 1.0,
             "mean_live_slot_fraction": self.metrics.mean_live_slot_fraction,
             # length-aware grouping of batched decode attention: fraction of the keys read that were padding
-            "attention_padding_waste": (1 - self.runner.attention_real_keys / self.runner.attention_padded_keys)
-            if self.runner.attention_padded_keys else 0.0,
+            "attention_padding_waste": (1 - getattr(self.runner, "attention_real_keys", 0) / padded_keys)
+            if padded_keys else 0.0,
             "prefix_caching": self.prefix_cache is not None,
             "blocks_cached": 0, "blocks_cached_free": 0,
             "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "prefix_hit_rate": 0.0,
