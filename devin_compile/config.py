@@ -28,6 +28,15 @@ def parse_dtype(value: Any) -> torch.dtype | None:
     raise ValueError(f"dtype={value!r} is not supported; use one of {sorted(_DTYPES)} or a torch.dtype")
 
 
+def from_mapping(cls, value: Mapping[str, Any], what: str):
+    """Build the dataclass ``cls`` from a dict, rejecting unknown keys with the list of valid ones."""
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(value) - set(valid))
+    if unknown:
+        raise ValueError(f"{what} got unknown keys {unknown}; valid keys: {valid}")
+    return cls(**value)
+
+
 @dataclass
 class CacheConfig:
     """Paged KV pool: block size and how much memory the pool may take.
@@ -165,11 +174,7 @@ class KVPruneConfig:
         if isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            valid = [f.name for f in dataclasses.fields(cls)]
-            unknown = sorted(set(value) - set(valid))
-            if unknown:
-                raise ValueError(f"{what} got unknown keys {unknown}; valid keys: {valid}")
-            return cls(**value)
+            return from_mapping(cls, value, what)
         raise ValueError(f"{what}={value!r} must be a dict of settings (e.g. {{'threshold': 0.05}}), "
                          "a KVPruneConfig, True or None")
 

@@ -122,11 +122,9 @@ class QuantConfig:
         if isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            valid = [f.name for f in dataclasses.fields(cls)]
-            unknown = sorted(set(value) - set(valid))
-            if unknown:
-                raise ValueError(f"quantization got unknown keys {unknown}; valid keys: {valid}")
-            return cls(**value)
+            from ..config import from_mapping
+
+            return from_mapping(cls, value, "quantization")
         raise ValueError(f"quantization={value!r} must be a dict such as "
                          "{'method': 'awq', 'bits': 4, 'group_size': 64}")
 
