@@ -199,7 +199,7 @@ class OptimizeConfig:
     # Compile/prepare backend kernels in optimize() rather than in the first step that needs them.
     warmup: bool = True
     # CPU: compile the decode graph ahead with Inductor, one callable per decode bucket
-    # (costs ~35 s per model in optimize(); see passes/compile_decode.py).
+    # (costs ~50 s per model in optimize(), slower than eager at batch 1; see passes/compile_decode.py).
     compile_decode: bool = False
     # Modules to run on the CPU while the rest runs on the accelerator, e.g. ("embed_tokens", "lm_head").
     offload_layers: tuple[str, ...] = ()

@@ -16,7 +16,7 @@ code, and read their block tables and sequence lengths from the per-step context
 before, so the compiled code holds no runtime state.
 
 Why one symbolic compile and not one static compile per bucket: on this CPU a compile of
-SmolLM2's decode graph takes ~35 s, so eight static ones would cost minutes; with the
+SmolLM2's decode graph takes ~50 s (bench/results/decode.json), so eight static ones would cost minutes; with the
 token dimension symbolic, batch 1 and batch >= 2 are the only two compiles (Inductor
 specialises size 1), and every bucket reuses them. This is the CPU counterpart of
 ``wrap_cuda_graphs`` (CUDA Graphs per bucket on GPU), which is not built yet.
