@@ -6,7 +6,7 @@ tokens that is ~90 MB of memory traffic per layer, and decode steps become bound
 Written as pointwise products and reductions over gathered rows, the same attention
 lets Inductor emit one C++ loop nest per reduction that reads each cached K/V row
 straight from the paged pool (indirect loads through the slot index), in the cache's
-dtype, accumulating in float32: no copies. Measured on this CPU (1 thread, bf16,
+dtype, accumulating in float32: no copies. Measured on this CPU (1 thread, bf16, while other jobs loaded it,
 43 sequences, lengths 64-1280, one layer): 11 ms vs 88 ms for gather + SDPA.
 
 Contract: ``q`` [n, Hq, D]; caches viewed as [slots, Hkv, D]; ``flat`` [n, L] int64 slot
