@@ -225,6 +225,7 @@ def main() -> None:
     # (copied shared blocks would also break the single-view fast path of CPU decode).
     opt = devin_compile.optimize(model, tokenizer=tok, num_kv_blocks=args.kv_blocks, max_model_len=4096,
                                  kv_prune={"enabled": False}, enable_prefix_caching=False)
+    opt.wait_until_ready()
     engine = opt.engine
     bs = engine.runner.block_size
     text = open(TEXT).read()

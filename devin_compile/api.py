@@ -68,6 +68,14 @@ class OptimizedModel:
 
         return AsyncEngine(self.engine)
 
+    def wait_until_ready(self) -> None:
+        """Block until kernels that ``optimize()`` started compiling in the background (the
+        CPU fused decode attention) are done. Generation never needs this (it uses a slower
+        path meanwhile); benchmarks call it so the compile does not share the CPU with them."""
+        wait = getattr(self.engine.runner.backend, "wait_until_ready", None)
+        if wait is not None:
+            wait()
+
     def report(self) -> str:
         """One row per pass: status, time, matches, nodes before/after (markdown)."""
         return self.pass_report.as_markdown()
@@ -215,7 +223,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     if config.device is not None and next(model.parameters()).device != torch.device(config.device):
         model = model.to(config.device)
     quant = _resolve_quantization(model, tokenizer, config)
-    gm, info = capture(model, info=info)
+    gm, info = capture(model, info=info, stack_traces=config.dump_dir is not None)
     if config.scheduler.max_model_len is not None:
         info.max_model_len = config.scheduler.max_model_len
     program = Program({"main": gm})
@@ -230,7 +238,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     backend = select_attention_backend(info.device, config.attention_backend)
     if config.warmup and hasattr(backend, "warm_up"):
         backend.warm_up(dtype=info.dtype, num_kv_heads=info.num_kv_heads, num_heads=info.num_heads,
-                        head_dim=info.head_dim)
+                        head_dim=info.head_dim, background=True)
     runner = ModelRunner(program, cache, vocab_size=info.vocab_size, backend=backend, device=info.device)
     engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                     tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,

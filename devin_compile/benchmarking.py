@@ -54,6 +54,7 @@ def time_devin_decode(opt, prompt_ids: list[int], new_tokens: int, repeats: int 
     """``OptimizedModel`` through its engine (greedy, exactly ``new_tokens``), batch 1."""
     from .runtime.sampling import SamplingParams
 
+    opt.wait_until_ready()
     engine = opt.engine
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompt_ids], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up

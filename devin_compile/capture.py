@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from .compile_lock import TRACE_LOCK
+
 
 class UnsupportedModelError(RuntimeError):
     """The model cannot be compiled; the message names the construct and a way out."""
@@ -274,10 +276,13 @@ def _culprit(exc: BaseException) -> str:
     return f"{fr.filename}:{fr.lineno} in {fr.name}" if fr else "unknown location"
 
 
-def capture(model: torch.nn.Module, *, example_len: int = 8,
-            info: ModelInfo | None = None) -> tuple[torch.fx.GraphModule, ModelInfo]:
+def capture(model: torch.nn.Module, *, example_len: int = 8, info: ModelInfo | None = None,
+            stack_traces: bool = False) -> tuple[torch.fx.GraphModule, ModelInfo]:
     """Export ``model`` over flattened tokens; returns the GraphModule and :class:`ModelInfo`
-    (``info`` from an earlier :func:`model_info` call is reused, with dtype/device refreshed)."""
+    (``info`` from an earlier :func:`model_info` call is reused, with dtype/device refreshed).
+
+    ``stack_traces=True`` keeps each node's Python stack trace in ``meta['stack_trace']`` (for
+    dumps); recording them costs about a third of the export time, so it is off by default."""
     if info is None:
         info = model_info(model)
     else:
@@ -290,8 +295,10 @@ def capture(model: torch.nn.Module, *, example_len: int = 8,
     ids = torch.randint(0, min(info.vocab_size, 100), (1, example_len), device=device)
     pos = torch.arange(example_len, device=device)[None]
     idx = torch.arange(example_len, device=device)
+    emit_before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
-        with torch.no_grad():
+        with TRACE_LOCK, torch.no_grad():
             ep = torch.export.export(
                 FlatTokensLM(model), (ids, pos, idx),
                 dynamic_shapes=({1: T}, {1: T}, {0: N}), strict=False,
@@ -305,6 +312,8 @@ def capture(model: torch.nn.Module, *, example_len: int = 8,
             "Way out: load the model with attn_implementation='sdpa' or 'eager', make sure it runs "
             "with use_cache=False on position_ids alone, or file the construct as unsupported."
         ) from e
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = emit_before
     gm = ep.module()
     _strip_export_guards(gm)
     return gm, info

@@ -196,7 +196,8 @@ class OptimizeConfig:
     fuse_projections: bool = True
     prepack_linear: bool = True
     split_phases: bool = True
-    # Compile/prepare backend kernels in optimize() rather than in the first step that needs them.
+    # Start compiling backend kernels in optimize() (on a background thread; steps use a slower
+    # path until they are ready) rather than in the first step that needs them.
     warmup: bool = True
     # CPU: compile the decode graph ahead with Inductor, one callable per decode bucket
     # (costs ~50 s per model in optimize(), slower than eager at batch 1; see passes/compile_decode.py).

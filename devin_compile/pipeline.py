@@ -7,6 +7,8 @@ returns a :class:`PassResult`; it never holds runtime state. The manager
 1. validates the order: a networkx DAG of each pass's ``requires`` (a cycle or a
    prerequisite that is missing or scheduled later is a ``ValueError``);
 2. runs each pass, lints every graph after it, and records time, matches and node counts;
+   graphs are recompiled (Python code regenerated, ~50 ms per graph here) only where code
+   runs: before a pass that sets ``runs_graphs``, before a probe, and once at the end;
 3. dumps ``NN_<pass>.py`` (readable code), ``NN_<pass>.txt`` (nodes with shape:dtype)
    and ``index.md`` (the report table) when a dump directory is set;
 4. with ``verify=True``, re-runs a probe after each pass and names the first pass whose
@@ -44,6 +46,11 @@ class Program:
     def node_count(self) -> int:
         return sum(count_nodes(g) for g in self.graphs.values())
 
+    def recompile(self) -> None:
+        """Regenerate every graph's Python code from its (rewritten) nodes."""
+        for gm in self.graphs.values():
+            gm.recompile()
+
     @property
     def main(self) -> torch.fx.GraphModule:
         return next(iter(self.graphs.values()))
@@ -71,6 +78,9 @@ class Pass:
 
     name: ClassVar[str] = "pass"
     requires: ClassVar[tuple[str, ...]] = ()
+    # True when the pass executes or traces a graph's Python code (e.g. torch.compile on it):
+    # the manager then recompiles the graphs before it. Rewrites of graph nodes need not.
+    runs_graphs: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -188,10 +198,11 @@ class PassManager:
                 self._dump(i, p.name, program, report)  # index.md lists every pass, skipped ones too
                 continue
             t0 = time.perf_counter()
+            if p.runs_graphs:
+                program.recompile()
             result = p.run(program, ctx)
             for gm in program.graphs.values():
                 gm.graph.lint()
-                gm.recompile()
             dt = (time.perf_counter() - t0) * 1e3
             rec = PassRecord(i, p.name, "ran", dt, result.matches, before, program.node_count(), result.note,
                              details=result.details)
@@ -202,9 +213,11 @@ class PassManager:
                     report.first_drift = p.name
             report.records.append(rec)
             self._dump(i, p.name, program, report)
+        program.recompile()
         return report
 
     def _probe(self, program: Program) -> torch.Tensor:
+        program.recompile()
         with torch.no_grad():
             return self.probe(program)
 

@@ -16,12 +16,21 @@ KV head h // (Hq // Hkv). Compiled once per dtype with dynamic shapes
 (``torch.compile(dynamic=True)``) on first use. If compilation fails (no C++ compiler,
 say) :func:`fused_decode_attention` returns None from then on and the caller keeps its
 gather + SDPA path.
+
+Compiling costs ~8 s here (most of it importing and starting Inductor), so ``optimize()``
+starts it on a background thread (:func:`warm_up` with ``background=True``) instead of
+waiting for it: until it is done, callers that pass ``wait=False`` get None and use their
+gather + SDPA path, so no step stalls on the compile.
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 
 import torch
+
+from ..compile_lock import TRACE_LOCK
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +55,61 @@ def _attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, flat: torch.
 
 _compiled = None
 _failed = False
+_warmed: set[tuple] = set()  # (dtype, Hkv, Hq, D) layouts compiled so far
+_in_flight: threading.Thread | None = None  # a background warm-up still compiling
 
 
-def warm_up(dtype: torch.dtype, num_kv_heads: int, num_heads: int, head_dim: int) -> bool:
-    """Compile the kernel now (for this dtype and head layout) instead of in the first large
-    decode step; returns whether the fused kernel is available. Later shapes reuse it."""
+def warm_up(dtype: torch.dtype, num_kv_heads: int, num_heads: int, head_dim: int, *,
+            background: bool = False) -> bool:
+    """Compile the kernel for this dtype and head layout now instead of in the first large
+    decode step (later shapes reuse it). Returns whether the fused kernel is available, or,
+    with ``background=True``, starts the compile on a daemon thread and returns True."""
+    global _in_flight
+    key = (dtype, num_kv_heads, num_heads, head_dim)
+    wait_for_warm_up()  # one compile at a time
+    if _failed or key in _warmed:
+        return not _failed
+    if background:
+        _in_flight = threading.Thread(target=_compile_for, args=key, name="devin-fused-decode-warm-up", daemon=True)
+        _in_flight.start()
+        return True
+    return _compile_for(*key)
+
+
+def wait_for_warm_up(timeout: float | None = None) -> None:
+    """Block until a background warm-up (if any) has finished."""
+    t = _in_flight
+    if t is not None:
+        t.join(timeout)
+
+
+atexit.register(wait_for_warm_up)  # exiting mid-compile would abort the process from Inductor's C++ threads
+
+
+def _compile_for(dtype: torch.dtype, num_kv_heads: int, num_heads: int, head_dim: int) -> bool:
     kc = torch.zeros(4, 16, num_kv_heads, head_dim, dtype=dtype)
     q = torch.zeros(2, num_heads, head_dim, dtype=dtype)
     flat = torch.arange(64).view(2, 32)
     lens = torch.tensor([32, 20])
-    return fused_decode_attention(q, kc, kc, flat, lens, head_dim ** -0.5) is not None
+    with TRACE_LOCK, torch.no_grad():
+        ok = _run(q, kc, kc, flat, lens, head_dim ** -0.5) is not None
+    if ok:
+        _warmed.add((dtype, num_kv_heads, num_heads, head_dim))
+    return ok
 
 
-def fused_decode_attention(q, k_cache, v_cache, flat, lens, scale: float) -> torch.Tensor | None:
+def fused_decode_attention(q, k_cache, v_cache, flat, lens, scale: float, *, wait: bool = True) -> torch.Tensor | None:
     """See the module docstring; ``k_cache``/``v_cache`` are the [blocks, block_size, Hkv, D] pool.
-    None when Inductor is unavailable here (the caller then uses its own path)."""
+    None when Inductor is unavailable here, or (``wait=False``) while a background warm-up is
+    still compiling: the caller then uses its own path."""
+    if _in_flight is not None and _in_flight.is_alive():
+        if not wait:
+            return None
+        wait_for_warm_up()
+    return _run(q, k_cache, v_cache, flat, lens, scale)
+
+
+def _run(q, k_cache, v_cache, flat, lens, scale: float) -> torch.Tensor | None:
     global _compiled, _failed
     if _failed:
         return None

@@ -125,7 +125,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: li
         qq = q if tok is None else q.index_select(0, tok)
         o = None
         if n * L >= cpu_fused_decode.MIN_KEYS and n > 1:
-            o = cpu_fused_decode.fused_decode_attention(qq, k_cache, v_cache, flat, lens, scale)
+            o = cpu_fused_decode.fused_decode_attention(qq, k_cache, v_cache, flat, lens, scale, wait=False)
         if o is None:
             kk = kc.index_select(0, flat.flatten()).float().view(n, L, Hkv, D).transpose(1, 2)
             vv = vc.index_select(0, flat.flatten()).float().view(n, L, Hkv, -1).transpose(1, 2)
@@ -149,9 +149,13 @@ class CpuSdpaBackend:
     def supports(self, *, dtype, head_dim, softcap, sliding_window, block_size=None) -> bool:
         return softcap <= 0
 
-    def warm_up(self, *, dtype, num_kv_heads, num_heads, head_dim) -> None:
-        """Compile the fused decode kernel before the first step that needs it."""
-        cpu_fused_decode.warm_up(dtype, num_kv_heads, num_heads, head_dim)
+    def warm_up(self, *, dtype, num_kv_heads, num_heads, head_dim, background: bool = False) -> None:
+        """Compile the fused decode kernel before the first step that needs it (on a daemon
+        thread with ``background=True``; decode steps use gather + SDPA until it is ready)."""
+        cpu_fused_decode.warm_up(dtype, num_kv_heads, num_heads, head_dim, background=background)
+
+    def wait_until_ready(self) -> None:
+        cpu_fused_decode.wait_for_warm_up()
 
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
         write_kv(k, v, k_cache, v_cache, meta)

@@ -36,6 +36,7 @@ from ..pipeline import Pass, PassContext, PassError, PassResult, Program
 class CompileDecode(Pass):
     name = "compile_decode"
     requires = ("split_phases",)
+    runs_graphs = True  # torch.compile traces the decode graph's code
 
     def __init__(self, decode_buckets: tuple[int, ...], max_num_seqs: int) -> None:
         super().__init__()

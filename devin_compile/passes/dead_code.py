@@ -26,12 +26,13 @@ def _is_impure(node: torch.fx.Node) -> bool:
 
 
 def eliminate_dead_code(gm: torch.fx.GraphModule) -> int:
-    """Remove export asserts and unreachable nodes and parameters; returns nodes removed."""
+    """Remove export asserts and unreachable nodes and parameters; returns nodes removed.
+
+    The graph is not recompiled here: the pass manager recompiles once after each pass."""
     before = count_nodes(gm)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _EXPORT_ASSERTS:
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     remove_unused_attributes(gm)
-    gm.recompile()
     return before - count_nodes(gm)

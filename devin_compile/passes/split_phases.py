@@ -74,7 +74,6 @@ class SplitPhases(Pass):
                 f"lm_head, found {gathers}; the captured graph does not have the FlatTokensLM signature"
             )
         decode.graph.eliminate_dead_code()
-        decode.recompile()
         program.graphs = {"prefill": main, "decode": decode}
         program.decode_buckets = self.decode_buckets
         return PassResult(matches=gathers, note=f"decode buckets {list(self.decode_buckets)}; logits gather dropped")

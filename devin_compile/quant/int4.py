@@ -21,9 +21,11 @@ CPU kernel form (``aten._weight_int4pack_mm_for_cpu``), built by :func:`pack_for
   N % 16 == 0; 64 makes the layout uniform (torch 2.13 packs blocks of 64 rows, and
   tails of 32/16 rows differently);
 - ``aten._convert_weight_to_int4pack_for_cpu(q.int32 [Np, Kp], 1)`` → uint8 ``[Np, Kp / 2]``,
-  laid out as ``[Np / 64, Kp, 32]``: byte ``b`` of column ``k`` in row block ``r`` holds row
-  ``64 r + b`` in its low nibble and row ``64 r + 32 + b`` in its high nibble
-  (:func:`unpack_cpu` inverts it; a test pins the layout);
+  laid out as ``[Np / B, Kp, B / 2]`` with a row block ``B`` that depends on the CPU build
+  torch picked: 64 on AVX-512 machines, 32 on AVX2 ones. Byte ``b`` of column ``k`` in row
+  block ``r`` holds row ``B r + b`` in its low nibble and row ``B r + B / 2 + b`` in its high
+  nibble (:func:`cpu_block_rows` finds ``B`` once by packing a probe; :func:`unpack_cpu`
+  inverts the layout; a test pins it);
 - ``scales_zeros`` ``[G, Np, 2]`` in the activation dtype: ``[..., 0] = scale`` and
   ``[..., 1] = zero = minv + 8 * scale``, because the kernel computes
   ``(q - 8) * scale + zero``.
@@ -33,6 +35,7 @@ unpadded N) with the stored ``qweight``.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -147,11 +150,27 @@ def pack_for_cpu(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, group
 
 def unpack_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Inverse of the CPU packing (see the module docstring) → uint8 [n, k]."""
+    return _unpack_blocks(packed, cpu_block_rows())[:n, :k]
+
+
+def _unpack_blocks(packed: torch.Tensor, block: int) -> torch.Tensor:
     np_, half = packed.shape
     kp = half * 2
-    p3 = packed.view(np_ // 64, kp, 32)
-    q = torch.stack([p3 & 15, p3 >> 4], dim=1)  # [Np/64, 2, Kp, 32]: row 64r + 32·nibble + b
-    return q.permute(0, 1, 3, 2).reshape(np_, kp)[:n, :k]
+    p3 = packed.view(np_ // block, kp, block // 2)
+    q = torch.stack([p3 & 15, p3 >> 4], dim=1)  # [Np/B, 2, Kp, B/2]: row B·r + B/2·nibble + b
+    return q.permute(0, 1, 3, 2).reshape(np_, kp)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_block_rows() -> int:
+    """The row block ``B`` of this machine's CPU int4 packing (64 or 32), found by packing a probe."""
+    probe = torch.arange(64 * 4, dtype=torch.int32).view(64, 4) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe.contiguous(), 1)
+    for block in (64, 32, 16):
+        if torch.equal(_unpack_blocks(packed, block).to(torch.int32), probe):
+            return block
+    raise RuntimeError("unrecognised layout from aten._convert_weight_to_int4pack_for_cpu; "
+                       "use the reference or Triton int4 kernel (kernel='reference')")
 
 
 def int4_bytes(n: int, k: int, group_size: int, scale_bytes: int = 2) -> int:

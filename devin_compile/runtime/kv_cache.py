@@ -14,6 +14,8 @@ free block is left.
 """
 from __future__ import annotations
 
+import math
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
@@ -81,10 +83,8 @@ class PagedKVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        self.data = torch.zeros(
-            (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=spec.dtype, device=self.device,
-        )
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.data = _zeros(shape, spec.dtype, self.device)
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(spec.num_layers)]
 
     @property
@@ -98,6 +98,21 @@ class PagedKVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of one layer, each [num_blocks, block_size, Hkv, D]."""
         return self._layers[index]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On CPU it lives in an anonymous mmap, which the kernel hands out
+    zero-filled page by page on first touch: ``torch.zeros`` would memset the whole pool up
+    front (~1.7 s per GB here) and make every page resident whether or not it is ever used.
+    Zeros matter: kernels read padded slots (masked to weight 0), and 0 x NaN garbage is NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 class BlockAllocator:
