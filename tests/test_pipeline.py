@@ -308,3 +308,22 @@ def test_unrecognised_attention_layer_raises_pass_error_naming_it():
     assert "layers.1.self_attn" in msg
     assert "layers.0" not in msg and "layers.2" not in msg
     assert f"{NUM_LAYERS - 1} of {NUM_LAYERS}" in msg
+
+
+def test_pass_that_runs_graphs_sees_earlier_rewrites():
+    """Graphs are recompiled lazily: a pass with ``runs_graphs`` executes the rewritten code,
+    and after the run the program's code matches its nodes."""
+    seen = []
+
+    class RunsIt(Pass):
+        name = "runs_it"
+        runs_graphs = True
+
+        def run_graph(self, gm, phase, ctx):
+            seen.append(gm.code)
+            return PassResult()
+
+    program = toy_program()
+    PassManager([DropMulByOne(), RunsIt()]).run(program, PassContext(info=None, config=None))
+    assert "* 1.0" not in seen[0] and "+ 0.0" in seen[0]  # the rewrite is in the code it ran
+    assert "* 1.0" not in program.main.code

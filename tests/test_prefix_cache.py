@@ -505,3 +505,31 @@ def test_prefix_hits_with_sliding_window_match_hf(family, tiny_model, hf_referen
     for p, r in zip(prompts, rids):
         assert engine.requests[r].output_ids == hf_reference.greedy(family, p, 10)
     assert [engine.requests[r].metrics.prefix_hit_tokens for r in rids] == [0, 16, 16]
+
+
+def test_allocate_prefers_the_block_after_the_sequence_tail():
+    """A growing sequence gets the block right after its last one when that one is free and
+    uncached (CPU decode then reads it as one view); otherwise the free list's front."""
+    cache = PrefixCache(2)
+    alloc = BlockAllocator(8, cache)
+    a = alloc.allocate(2)  # [0, 1]
+    b = alloc.allocate(1)  # [2]
+    assert alloc.allocate(1, after=a[-1]) == [3]  # 2 is taken: front of the free list
+    alloc.free(b)
+    assert alloc.allocate(2, after=1) == [2, 4]  # 2 is free again; 3 is owned, so then the front
+    _register(cache, 5, 505)
+    alloc.allocate(1)  # 5 (owned, registered)
+    alloc.free([5])  # cached-free now: never taken by adjacency, so its content stays
+    assert alloc.allocate(1, after=4) == [6]
+    assert alloc.allocate(1, after=7) == [7]  # nothing after the last block: the front
+    assert alloc.num_cached_free == 1 and 5 in cache
+
+
+def test_cpu_pool_is_zeroed_and_writable():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=4)
+    pool = PagedKVCache(spec, 5)
+    assert pool.data.shape == (2, 2, 5, 4, 2, 8) and pool.data.dtype == torch.bfloat16
+    assert pool.nbytes == 5 * spec.bytes_per_block and not pool.data.any()
+    k, v = pool.layer(1)
+    k[3, 2] = 1.5
+    assert pool.data[1, 0, 3, 2].eq(1.5).all() and pool.data.sum().item() == 1.5 * 2 * 8

@@ -121,7 +121,8 @@ class BlockAllocator:
     The free list is one ordered dict of block ids: uncached free blocks at the front,
     cached free blocks behind them in the order they were freed (least recently used
     first). :meth:`allocate` pops from the front, so it takes uncached blocks first and
-    then evicts the least recently used cached block (dropping its index entry).
+    then evicts the least recently used cached block (dropping its index entry); it first
+    tries the block right after the sequence's last one, when that is free and uncached.
     """
 
     def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None = None) -> None:
@@ -149,7 +150,10 @@ class BlockAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` blocks, each the one right after the previous (``after`` first: the
+        sequence's last block) when that one is free and uncached, else the front of the
+        free list. Consecutive blocks let CPU decode read a sequence as one view, no gather."""
         if n > len(self._free):
             raise KVCacheExhaustedError(
                 f"KV cache exhausted: need {n} more blocks, {len(self._free)} of {self.num_blocks} free. "
@@ -157,14 +161,26 @@ class BlockAllocator:
             )
         out = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            if self._cached_free and b in self.prefix_cache:  # no uncached block left: evict the LRU one
-                self.prefix_cache.evict(b)
-                self._cached_free -= 1
+            b = self._take_next(after)
+            if b is None:
+                b, _ = self._free.popitem(last=False)
+                if self._cached_free and b in self.prefix_cache:  # no uncached block left: evict the LRU one
+                    self.prefix_cache.evict(b)
+                    self._cached_free -= 1
             self.ref_count[b] = 1
             out.append(b)
+            after = b
         self._note_used()
         return out
+
+    def _take_next(self, after: int | None) -> int | None:
+        b = None if after is None else after + 1
+        if b is None or b >= self.num_blocks or b not in self._free:
+            return None
+        if self.prefix_cache is not None and b in self.prefix_cache:
+            return None  # keep cached content for prefix hits
+        del self._free[b]
+        return b
 
     def acquire(self, block: int) -> None:
         """One more owner for ``block``: a prefix hit (or a duplicate folded onto it); revives a free one."""

@@ -113,7 +113,7 @@ class Scheduler:
             return True
         if not self.allocator.can_allocate(need):
             return False
-        seq.block_table.extend(self.allocator.allocate(need))
+        seq.block_table.extend(self.allocator.allocate(need, after=seq.block_table[-1] if seq.block_table else None))
         return True
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
@@ -208,7 +208,7 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.stats.query_tokens += seq.num_tokens
                 self.prefix_cache.stats.hit_tokens += hit_tokens
-            seq.block_table.extend(self.allocator.allocate(need))
+            seq.block_table.extend(self.allocator.allocate(need, after=seq.block_table[-1] if seq.block_table else None))
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
