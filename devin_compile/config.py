@@ -195,6 +195,8 @@ class OptimizeConfig:
     fuse_rotary: bool = True
     fuse_projections: bool = True
     prepack_linear: bool = True
+    # CPU bf16/fp16 without native oneDNN kernels: linears of 8+ rows computed in float32.
+    upcast_linear: bool = True
     split_phases: bool = True
     # Start compiling backend kernels in optimize() (on a background thread; steps use a slower
     # path until they are ready) rather than in the first step that needs them.

@@ -54,3 +54,37 @@ def test_prepack_linear_bit_identical_bf16():
         pytest.skip(rec.note)
     assert rec.matches == 2 * 7 + 1  # 7 linears per layer + lm_head
     assert torch.equal(out, base)
+
+
+def test_upcast_linear_function(monkeypatch):
+    """Below ``min_rows`` it is the bf16 linear itself; from it on, float32 math over weight
+    chunks (chunking forced small here), rounded back to bf16."""
+    from devin_compile.ops import upcast_linear as op
+
+    monkeypatch.setattr(op, "CHUNK_ROWS", 16)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g).bfloat16()
+    b = torch.randn(40, generator=g).bfloat16()
+    few, many = torch.randn(1, 3, 24, generator=g).bfloat16(), torch.randn(2, 5, 24, generator=g).bfloat16()
+    assert torch.equal(op.upcast_linear(few, w, b, 8), torch.nn.functional.linear(few, w, b))
+    out = op.upcast_linear(many, w, b, 8)
+    assert out.shape == (2, 5, 40) and out.dtype == torch.bfloat16
+    exact = torch.nn.functional.linear(many.double(), w.double(), b.double())
+    assert (out.double() - exact).abs().max() <= exact.abs().max() * 2 ** -8  # one bf16 rounding
+
+
+def test_upcast_linear_pass_bf16(monkeypatch):
+    """Every linear is rewritten (7 per layer + lm_head) and the probe (12 tokens: the float32
+    path) stays within bf16 rounding of the plain bf16 graph."""
+    import devin_compile.passes.upcast_linear as up
+
+    monkeypatch.setattr(up, "prepack_supported", lambda dtype: False)  # whatever this CPU has
+    model = _model(torch.bfloat16)
+    base, _ = _run(model, [])
+    out, report = _run(model, [up.UpcastLinear()])
+    rec = report.records[-1]
+    assert rec.status == "ran" and rec.matches == 2 * 7 + 1
+    assert (out.float() - base.float()).abs().max() <= 0.05 * base.float().abs().max()
+    fp32, _ = _run(_model(torch.float32), [])
+    # no less accurate than the bf16 linears, against the float32 model
+    assert (out.float() - fp32).abs().mean() <= 1.1 * (base.float() - fp32).abs().mean()

@@ -12,6 +12,7 @@ from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
+from .upcast_linear import UpcastLinear
 
 
 def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=None) -> list:
@@ -34,6 +35,8 @@ def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=No
         passes.append(OffloadEmbeddings(offload_roles))
     if config.prepack_linear:
         passes.append(PrepackLinear())
+    if config.upcast_linear:
+        passes.append(UpcastLinear())
     passes.append(Cleanup())
     if config.compile_decode:
         passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs))
@@ -41,4 +44,5 @@ def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=No
 
 
 __all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseProjections", "FuseRMSNorm", "FuseRotary",
-           "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "default_passes"]
+           "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "UpcastLinear",
+           "default_passes"]
