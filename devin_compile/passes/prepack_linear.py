@@ -36,6 +36,22 @@ def prepack_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def cpu_linears(gm: torch.fx.GraphModule, dtypes: tuple[torch.dtype, ...] | None = None):
+    """(node, weight, bias node) for each ``aten.linear`` whose weight is a 2-D floating CPU
+    parameter (of one of ``dtypes``, when given); a list, so callers may rewrite as they go."""
+    out = []
+    for node in gm.graph.nodes:
+        if not is_call(node, aten.linear.default):
+            continue
+        w = _param(gm, node.args[1])
+        if w is None or w.dim() != 2 or not w.dtype.is_floating_point or w.device.type != "cpu":
+            continue
+        if dtypes is not None and w.dtype not in dtypes:
+            continue
+        out.append((node, w, node.args[2] if len(node.args) > 2 else None))
+    return out
+
+
 class PrepackLinear(Pass):
     name = "prepack_linear"
 
@@ -55,14 +71,8 @@ class PrepackLinear(Pass):
         # packed tensors by dense weight, shared by every graph of the program (prefill and decode)
         shared: dict[int, torch.Tensor] = ctx.extras.setdefault("prepacked_weights", {})
         count = 0
-        for node in list(graph.nodes):
-            if not is_call(node, aten.linear.default):
-                continue
+        for node, w, bias in cpu_linears(gm):
             w_node = node.args[1]
-            w = _param(gm, w_node)
-            if w is None or w.dim() != 2 or not w.dtype.is_floating_point or w.device.type != "cpu":
-                continue
-            bias = node.args[2] if len(node.args) > 2 else None
             if w_node.target not in packed:
                 attr = f"packed_{len(packed)}_" + w_node.target.replace(".", "_")
                 if id(w) not in shared:

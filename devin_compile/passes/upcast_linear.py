@@ -17,13 +17,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import is_call
 from ..ops.upcast_linear import upcast_linear
 from ..pipeline import Pass, PassContext, PassResult, Program
-from .fuse_projections import _param
-from .prepack_linear import prepack_supported
-
-aten = torch.ops.aten
+from .prepack_linear import cpu_linears, prepack_supported
 
 MIN_ROWS = 8  # measured crossover on this CPU: equal at 4 rows, 1.7x (layers) / 1.8x (lm_head) at 8
 
@@ -50,13 +46,7 @@ class UpcastLinear(Pass):
             return PassResult(note="decode graph left to compile_decode")
         graph = gm.graph
         count = 0
-        for node in list(graph.nodes):
-            if not is_call(node, aten.linear.default):
-                continue
-            w = _param(gm, node.args[1])
-            if w is None or w.dim() != 2 or w.dtype not in (torch.bfloat16, torch.float16) or w.device.type != "cpu":
-                continue
-            bias = node.args[2] if len(node.args) > 2 else None
+        for node, _w, bias in cpu_linears(gm, (torch.bfloat16, torch.float16)):
             with graph.inserting_before(node):
                 new = graph.call_function(upcast_linear, (node.args[0], node.args[1], bias, self.min_rows))
                 new.meta = dict(node.meta)
