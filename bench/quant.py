@@ -44,6 +44,8 @@ from devin_compile.models import load_model  # noqa: E402
 from devin_compile.quant import artifact  # noqa: E402
 from devin_compile.quant.calibration import calibration_and_eval_chunks, collect_stats, load_token_stream  # noqa: E402
 from devin_compile.quant.evaluate import compare, hf_logits_fn, optimized_logits_fn, reference_logits  # noqa: E402
+from devin_compile.ops.upcast_linear import upcast_linear  # noqa: E402
+from devin_compile.passes.prepack_linear import prepack_supported  # noqa: E402
 
 PROMPT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
           "First Citizen:\nYou are all resolved rather to die than to famish?\n")
@@ -169,12 +171,17 @@ def kernels(args, out: dict) -> None:
     layers = 30
     gen = torch.Generator().manual_seed(0)
     int4_w, dense_w = [], []
+    # the dense path devin-compile itself takes for bf16 on this CPU: oneDNN prepacked weights
+    # where oneDNN has native bf16, else upcast_linear (fp32 GEMM from 8 rows, bf16 linear below)
+    packed = prepack_supported(torch.bfloat16)
+    dense_name = "bf16 oneDNN" if packed else "bf16 upcast_linear"
     for _ in range(layers):
         for n, k in shapes:
             w = torch.randn(n, k, generator=gen) * 0.02
             q, s, m = fmt.rtn_quantize(w, 64)
             int4_w.append((k4.prepare("cpu", q, s, m, 64, torch.bfloat16, torch.device("cpu")), n, k))
-            dense_w.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1), n, k))
+            dense_w.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) if packed else w.bfloat16(),
+                            n, k))
     rows = []
     for m_tokens in (1, 2, 3, 4, 6, 8, 16, 32, 64):
         xs = {k: torch.randn(m_tokens, k).bfloat16() for k in (576, 1536)}
@@ -185,15 +192,19 @@ def kernels(args, out: dict) -> None:
 
         def run_dense():
             for wp, n, k in dense_w:
-                torch.ops.mkldnn._linear_pointwise(xs[k], wp, None, "none", [], "")
+                if packed:
+                    torch.ops.mkldnn._linear_pointwise(xs[k], wp, None, "none", [], "")
+                else:
+                    upcast_linear(xs[k], wp)
 
         t_int4 = _median_ms(run_int4, args.repeats * 3)
         t_dense = _median_ms(run_dense, args.repeats * 3)
-        rows.append({"tokens": m_tokens, "int4_ms": t_int4, "bf16_onednn_ms": t_dense, "ratio": t_dense / t_int4})
-        log(f"{m_tokens:3d} tokens: int4 {t_int4:7.2f} ms   bf16 oneDNN {t_dense:7.2f} ms   "
+        rows.append({"tokens": m_tokens, "int4_ms": t_int4, "dense_ms": t_dense, "ratio": t_dense / t_int4})
+        log(f"{m_tokens:3d} tokens: int4 {t_int4:7.2f} ms   {dense_name} {t_dense:7.2f} ms   "
             f"(int4 {'faster' if t_int4 < t_dense else 'slower'}, {t_dense / t_int4:.2f}x)")
-    faster = [r["tokens"] for r in rows if r["int4_ms"] < r["bf16_onednn_ms"]]
-    out["kernels"] = {"what": "120 SmolLM2 decoder linears (30 layers, distinct weights), bf16, g64", "rows": rows,
+    faster = [r["tokens"] for r in rows if r["int4_ms"] < r["dense_ms"]]
+    out["kernels"] = {"what": "120 SmolLM2 decoder linears (30 layers, distinct weights), bf16, g64", "dense": dense_name,
+                      "rows": rows,
                       "int4_faster_up_to_tokens": max(faster) if faster else 0}
 
 

@@ -69,9 +69,10 @@ class OptimizedModel:
         return AsyncEngine(self.engine)
 
     def wait_until_ready(self) -> None:
-        """Block until kernels that ``optimize()`` started compiling in the background (the
-        CPU fused decode attention) are done. Generation never needs this (it uses a slower
-        path meanwhile); benchmarks call it so the compile does not share the CPU with them."""
+        """Block until kernels that the attention backend started compiling in the background
+        are done (a backend with a ``wait_until_ready`` method; none of today's CPU backends
+        compiles in the background, so this returns at once there). Generation never needs
+        it; benchmarks call it so a compile does not share the CPU with what they time."""
         wait = getattr(self.engine.runner.backend, "wait_until_ready", None)
         if wait is not None:
             wait()
@@ -238,7 +239,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     backend = select_attention_backend(info.device, config.attention_backend)
     if config.warmup and hasattr(backend, "warm_up"):
         backend.warm_up(dtype=info.dtype, num_kv_heads=info.num_kv_heads, num_heads=info.num_heads,
-                        head_dim=info.head_dim, background=True)
+                        head_dim=info.head_dim)
     runner = ModelRunner(program, cache, vocab_size=info.vocab_size, backend=backend, device=info.device)
     engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                     tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,

@@ -198,8 +198,8 @@ class OptimizeConfig:
     # CPU bf16/fp16 without native oneDNN kernels: linears of 8+ rows computed in float32.
     upcast_linear: bool = True
     split_phases: bool = True
-    # Start compiling backend kernels in optimize() (on a background thread; steps use a slower
-    # path until they are ready) rather than in the first step that needs them.
+    # Build backend kernels in optimize() (the CPU decode-attention kernel: ~1 s the first time,
+    # then cached) rather than in the first step that needs them.
     warmup: bool = True
     # CPU: compile the decode graph ahead with Inductor, one callable per decode bucket
     # (costs ~50 s per model in optimize(), slower than eager at batch 1; see passes/compile_decode.py).

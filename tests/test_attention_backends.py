@@ -266,25 +266,26 @@ def test_triton_long_context_window(sliding_window: int) -> None:
     check_backend("cpu_sdpa", case)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("mixed", [False, True])
-def test_cpu_sdpa_decode_length_groups(mixed: bool, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode rows of very different lengths are cut into several length groups (and, in a
-    mixed step, sit between prefill rows); every row still equals the reference, with the
-    gather + SDPA path and with the Inductor-fused kernel (forced on for every group)."""
-    from devin_compile.backends import cpu_fused_decode
-    from devin_compile.backends.cpu_sdpa import _decode_plan
+def _without_c_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make cpu_sdpa take its torch-only decode paths, as on a machine without a C compiler."""
+    from devin_compile.backends import cpu_paged_decode
 
-    calls = []
-    if fused:
-        real = cpu_fused_decode.fused_decode_attention
-        monkeypatch.setattr(cpu_fused_decode, "MIN_KEYS", 0)
-        monkeypatch.setattr(cpu_fused_decode, "fused_decode_attention",
-                            lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu_paged_decode, "load", lambda: None)
 
-    bs = 4
-    kv = [3, 300, 7, 290, 150, 2, 160]
-    rng = random.Random(5)
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(window=True))
+def test_cpu_sdpa_torch_paths_match_reference(case: Case) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        _without_c_kernel(mp)
+        check_backend("cpu_sdpa", case)
+
+
+def _decode_case(kv: list[int], *, mixed: bool, bs: int = 4, hkv: int = 2, group: int = 3, head_dim: int = 16,
+                 seed: int = 11) -> Case:
+    """Decode rows of the given cached lengths on scattered pages; in a ``mixed`` step rows 1
+    and 4 are chunks of 6 tokens instead."""
+    rng = random.Random(seed)
     free = list(range(1, 1 + sum(-(-n // bs) for n in kv) + 8))
     rng.shuffle(free)
     query_lens, seq_lens, tables, slots = [], [], [], []
@@ -295,31 +296,71 @@ def test_cpu_sdpa_decode_length_groups(mixed: bool, fused: bool, monkeypatch: py
         seq_lens.append(n)
         tables.append(table)
         slots += [table[p // bs] * bs + p % bs for p in range(n - q_len, n)]
-    case = Case(query_lens, seq_lens, tables, slots, num_blocks=len(free) + 1 + sum(len(t) for t in tables),
-                block_size=bs, num_kv_heads=2, group=3, head_dim=16, seed=11)
-    meta = case.meta()
+    return Case(query_lens, seq_lens, tables, slots, num_blocks=len(free) + 1 + sum(len(t) for t in tables),
+                block_size=bs, num_kv_heads=hkv, group=group, head_dim=head_dim, seed=seed)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_cpu_sdpa_decode_length_groups(mixed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the C kernel, decode rows of very different lengths are cut into several length
+    groups (and, in a mixed step, sit between prefill rows); every row still equals the reference."""
+    from devin_compile.backends.cpu_sdpa import _decode_plan
+
+    _without_c_kernel(monkeypatch)
+    case = _decode_case([3, 300, 7, 290, 150, 2, 160], mixed=mixed)
+    query_lens = case.query_lens
     rows = [b for b, n in enumerate(query_lens) if n == 1]
-    plan = _decode_plan(meta, bs, torch.device("cpu"), rows)
+    plan = _decode_plan(case.meta(), case.block_size, torch.device("cpu"), rows)
     assert plan[0] == "groups" and len(plan[1]) >= 2
     covered = sorted(t for g in plan[1] for t in g[0].tolist())
-    qstart = [sum(query_lens[:b]) for b in rows]
-    assert covered == sorted(qstart)
+    assert covered == sorted(sum(query_lens[:b]) for b in rows)
     check_backend("cpu_sdpa", case)
-    if fused:
-        assert calls and not cpu_fused_decode._failed, "the fused kernel did not run"
 
 
-def test_cpu_fused_decode_bf16_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    from devin_compile.backends import cpu_fused_decode
+c_kernel = pytest.mark.skipif(
+    __import__("devin_compile.backends.cpu_paged_decode", fromlist=["load"]).load() is None,
+    reason="the C decode-attention kernel cannot be built here (no C compiler)")
 
-    monkeypatch.setattr(cpu_fused_decode, "MIN_KEYS", 0)
-    bs, kv = 16, [40, 130, 75]
-    tables = [[3, 9, 1], [2, 8, 4, 7, 10, 12, 5, 11, 13], [6, 14, 15, 16, 17]]
-    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, kv)]
-    case = Case([1, 1, 1], kv, tables, slots, num_blocks=18, block_size=bs, num_kv_heads=2, group=2,
-                head_dim=32, seed=3)
-    check_backend("cpu_sdpa", case, torch.bfloat16)
-    assert not cpu_fused_decode._failed
+
+@c_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 2), (16, 1), (40, 4)])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_c_decode_kernel_matches_reference(dtype: torch.dtype, head_dim: int, group: int, mixed: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernel (the cpu_sdpa decode path here) against the reference: lengths across
+    several split-K chunks (CHUNK forced to 32, so 300 keys merge 10 partial softmaxes), block
+    sizes that do not divide them, head sizes with and without the AVX2 code paths (16 and
+    40 take the scalar tails), every dtype, pure-decode and mixed steps."""
+    from devin_compile.backends import cpu_paged_decode
+
+    monkeypatch.setattr(cpu_paged_decode, "CHUNK", 32)
+    calls = []
+    real = cpu_paged_decode.decode_attention
+    monkeypatch.setattr(cpu_paged_decode, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    case = _decode_case([3, 300, 7, 290, 150, 2, 33], mixed=mixed, bs=16 if head_dim == 64 else 5, hkv=2,
+                        group=group, head_dim=head_dim)
+    check_backend("cpu_sdpa", case, dtype)
+    assert calls, "the C kernel did not run"
+
+
+@c_kernel
+def test_c_decode_kernel_empty_rows_and_bad_arguments() -> None:
+    """A row with no cached keys (a padded decode entry) comes out as zeros; a layout the
+    kernel does not take is refused by ``supports`` before any call."""
+    from devin_compile.backends import cpu_paged_decode
+
+    q = torch.randn(2, 4, 16)
+    kc = torch.randn(3, 4, 2, 16)
+    out = torch.full((2, 4, 16), float("nan"))
+    cpu_paged_decode.decode_attention(q, kc, kc, torch.arange(2), torch.tensor([[1], [0]], dtype=torch.int32),
+                                      torch.tensor([3, 0], dtype=torch.int32), 0.25, out)
+    assert torch.equal(out[1], torch.zeros(4, 16))
+    probs = torch.softmax((q[0].view(2, 2, 16) @ kc[1, :3].transpose(0, 1).transpose(1, 2)) * 0.25, -1)
+    torch.testing.assert_close(out[0], (probs @ kc[1, :3].transpose(0, 1)).view(4, 16))
+    assert not cpu_paged_decode.supports(q.double(), kc.double(), kc.double())
+    assert not cpu_paged_decode.supports(q, kc.bfloat16(), kc.bfloat16())  # mixed dtypes
+    assert not cpu_paged_decode.supports(torch.randn(2, 3, 16), kc, kc)  # 3 query heads over 2 KV heads
 
 
 # --------------------------------------------------------------------------- selection

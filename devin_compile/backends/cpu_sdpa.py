@@ -1,13 +1,14 @@
-"""CPU fast path: PyTorch's fused CPU SDPA kernels on views of the paged cache.
+"""CPU fast path: a C kernel for decode rows, PyTorch's fused CPU SDPA kernels for the rest.
 
+- Decode rows (one query per sequence, in pure-decode and in mixed steps) go to the C
+  kernel of :mod:`.cpu_paged_decode`: one call per layer for all of them, K/V read
+  straight from the pool in the cache's dtype, float32 arithmetic, no padding.
+  Where it cannot be built (no C compiler), one sequence on consecutive blocks attends
+  with two float32 GEMMs over [Hkv, G, ·] views of the cache, and several sequences are
+  cut into length groups (:mod:`.length_groups`), each gathered in one ``index_select``
+  and run as one float32 SDPA call with a key-padding mask.
 - A sequence with no cached context (a fresh prefill) attends over its own new
   k/v directly with ``is_causal=True``: no gather at all.
-- Decode rows (one query per sequence, in pure-decode and in mixed steps) read a single
-  sequence's consecutive blocks as a view and attend with two float32 GEMMs over
-  [Hkv, G, ·] head groups; several sequences are cut into length groups
-  (:mod:`.length_groups`); a large group runs the Inductor-generated fused kernel of
-  :mod:`.cpu_fused_decode` (reads K/V straight from the pool), a small one gathers its
-  slots in one ``index_select`` and runs one float32 SDPA call with a key-padding mask.
 - Anything else (chunked prefill over cached context, sliding windows) gathers that
   sequence's slots and runs SDPA with an explicit mask.
 Soft-capped logits are declined (SDPA has no soft-cap) and go to the reference.
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.context import AttentionMetadata
-from . import cpu_fused_decode
+from . import cpu_paged_decode
 from .kv_write import gather_sequence, write_kv
 from .length_groups import group_by_length
 from .registry import register_backend
@@ -87,17 +88,44 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device,
     return plan
 
 
+def _kernel_plan(meta: AttentionMetadata, rows: list[int], device: torch.device):
+    """(q/out row of each decode sequence, their block tables, their lengths) for the C kernel,
+    built once per step and shared by every layer."""
+    plan = meta.scratch.get("cpu_decode_kernel")
+    if plan is not None:
+        return plan
+    if len(rows) == meta.num_seqs:  # pure decode: sequence b is token row b
+        plan = (torch.arange(len(rows), device=device), meta.block_tables.contiguous(), meta.seq_lens.contiguous())
+    else:
+        qstart = [0]
+        for n in meta.query_lens_host:
+            qstart.append(qstart[-1] + n)
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        plan = (torch.tensor([qstart[b] for b in rows], dtype=torch.long, device=device),
+                meta.block_tables.index_select(0, idx).contiguous(), meta.seq_lens.index_select(0, idx).contiguous())
+    meta.scratch["cpu_decode_kernel"] = plan
+    real = sum(meta.seq_lens_host[b] for b in rows)
+    meta.scratch["attention_padding"] = (real, real)  # the kernel reads exactly the cached keys
+    return plan
+
+
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: list[int],
             out: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence in ``rows``, attention in float32 (faster here than bf16 and
     more accurate). Writes into ``out`` ([T, Hq, Dv], token rows of ``rows``) or, when
     ``out`` is None (a pure-decode step), returns a new [B, Hq, Dv].
 
-    One sequence on consecutive blocks: two batched GEMMs over [Hkv, G, ·] views of the
-    cache (GQA without repeats, no copy); measured on this CPU in a bf16 model this beats
-    the fused SDPA kernel, which is slow in bf16 at one query, by 8x at 500 cached tokens
-    and 18x at 3000. Otherwise, per length group: one gather, then fused SDPA in float32.
+    The C kernel when it is built. Otherwise (torch only): one sequence on consecutive
+    blocks uses two batched GEMMs over [Hkv, G, ·] views of the cache (GQA without repeats,
+    no copy), which beat the fused SDPA kernel, slow in bf16 at one query, by 8x at 500
+    cached tokens and 18x at 3000; several sequences run per length group: one gather,
+    then fused SDPA in float32.
     """
+    if cpu_paged_decode.load() is not None and cpu_paged_decode.supports(q, k_cache, v_cache):
+        tok, tables, lens = _kernel_plan(meta, rows, q.device)
+        if out is None:
+            out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+        return cpu_paged_decode.decode_attention(q, k_cache, v_cache, tok, tables, lens, scale, out)
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
@@ -123,14 +151,10 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: li
     # 3.7x faster than head-group GEMMs over permuted copies at 16 sequences x 300 tokens.
     for tok, flat, lens, mask, n, L in plan[1]:
         qq = q if tok is None else q.index_select(0, tok)
-        o = None
-        if n * L >= cpu_fused_decode.MIN_KEYS and n > 1:
-            o = cpu_fused_decode.fused_decode_attention(qq, k_cache, v_cache, flat, lens, scale, wait=False)
-        if o is None:
-            kk = kc.index_select(0, flat.flatten()).float().view(n, L, Hkv, D).transpose(1, 2)
-            vv = vc.index_select(0, flat.flatten()).float().view(n, L, Hkv, -1).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qq.float().view(n, Hq, 1, D), kk, vv, attn_mask=mask, scale=scale,
-                                               enable_gqa=G > 1).view(n, Hq, -1).to(q.dtype)
+        kk = kc.index_select(0, flat.flatten()).float().view(n, L, Hkv, D).transpose(1, 2)
+        vv = vc.index_select(0, flat.flatten()).float().view(n, L, Hkv, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qq.float().view(n, Hq, 1, D), kk, vv, attn_mask=mask, scale=scale,
+                                           enable_gqa=G > 1).view(n, Hq, -1).to(q.dtype)
         if tok is None:
             return o
         if out is None:
@@ -149,13 +173,10 @@ class CpuSdpaBackend:
     def supports(self, *, dtype, head_dim, softcap, sliding_window, block_size=None) -> bool:
         return softcap <= 0
 
-    def warm_up(self, *, dtype, num_kv_heads, num_heads, head_dim, background: bool = False) -> None:
-        """Compile the fused decode kernel before the first step that needs it (on a daemon
-        thread with ``background=True``; decode steps use gather + SDPA until it is ready)."""
-        cpu_fused_decode.warm_up(dtype, num_kv_heads, num_heads, head_dim, background=background)
-
-    def wait_until_ready(self) -> None:
-        cpu_fused_decode.wait_for_warm_up()
+    def warm_up(self, *, dtype, num_kv_heads, num_heads, head_dim) -> None:
+        """Build (or load from its cache) the C decode kernel now rather than in the first decode
+        step: about a second the first time, milliseconds after."""
+        cpu_paged_decode.load()
 
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
         write_kv(k, v, k_cache, v_cache, meta)

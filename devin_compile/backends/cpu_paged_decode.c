@@ -1,0 +1,350 @@
+/* Paged decode attention for CPU: one query per sequence, K/V read straight from the pool.
+ *
+ * Built and loaded by cpu_paged_decode.py (system C compiler, -O3 -march=native, OpenMP;
+ * no torch headers, so it compiles in about a second). The torch reference in
+ * torch_reference.py is the oracle; tests compare against it.
+ *
+ * Layout (strides in elements):
+ *   q    [rows, Hq, D]           row q_rows[b] holds sequence b's query; head h*G+g reads KV head h
+ *   pool [blocks, block_size, Hkv, D] for K and for V (their own strides)
+ *   tables [n, table_stride] int32  physical block of each logical block of sequence b
+ *   lens [n] int32                  cached keys of b (0: the output row is zeros)
+ *   out  [rows, Hq, Dv]             written at the same rows as q, in q's dtype
+ *
+ * Work is split into tasks of (sequence, KV head, chunk of `chunk` keys), so one long
+ * sequence still fills every thread (split-K, as flash-decoding does). A task converts each
+ * key and value row to float32 once, serves all G query heads of its KV head from it
+ * (grouped-query attention without repeats), and keeps a numerically stable partial
+ * softmax (max, sum, weighted values); a second parallel loop merges a sequence's chunks by
+ * their log-sum-exp. All arithmetic is float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+#define MAX_GROUP 32
+#define MAX_DIM 512
+#define MAX_CHUNK 4096
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline void load_row(const void *base, int64_t off, int dt, int n, float *restrict dst) {
+    if (dt == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(p[i]);
+#ifdef __FLT16_MAX__
+    } else if (dt == DT_F16) {
+        const _Float16 *p = (const _Float16 *)base + off;
+        for (int i = 0; i < n; i++) dst[i] = (float)p[i];
+#endif
+    } else {
+        memcpy(dst, (const float *)base + off, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *base, int64_t off, int dt, int n, const float *restrict src) {
+    if (dt == DT_BF16) {
+        uint16_t *p = (uint16_t *)base + off;
+        for (int i = 0; i < n; i++) p[i] = f32_to_bf16(src[i]);
+#ifdef __FLT16_MAX__
+    } else if (dt == DT_F16) {
+        _Float16 *p = (_Float16 *)base + off;
+        for (int i = 0; i < n; i++) p[i] = (_Float16)src[i];
+#endif
+    } else {
+        memcpy((float *)base + off, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* exp(x) for x <= 0, written so the loop around it vectorises: x = k*ln2 + r with
+ * |r| <= ln2/2, e^r by its Taylor series to r^6 (relative error < 2e-7), 2^k by the exponent. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float k = rintf(x * 1.44269504088896341f);
+    float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, 4);
+    return p * two_k;
+}
+
+/* Gather keys j0..j1-1 of one sequence's KV head into dst [w][dim] float32, block by block. */
+static inline void gather_rows(const void *cache, int64_t block_stride, int64_t slot_stride, int64_t head_off,
+                               const int32_t *table, int block_size, int j0, int j1, int dtype, int dim,
+                               float *restrict dst) {
+    int j = j0;
+    while (j < j1) {
+        const int off = j % block_size;
+        const int stop = j - off + block_size < j1 ? j - off + block_size : j1;
+        const int64_t base = (int64_t)table[j / block_size] * block_stride + head_off;
+        for (int k = off; k < off + (stop - j); k++, dst += dim) load_row(cache, base + k * slot_stride, dtype, dim, dst);
+        j = stop;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+#endif
+
+/* s[j] = q · k_j for w keys (kbuf [w][D] float32). */
+static inline void scores(const float *restrict qg, const float *restrict kbuf, int w, int D, float *restrict s) {
+    int j = 0;
+#ifdef HAVE_AVX2
+    if (D % 8 == 0) {
+        for (; j + 4 <= w; j += 4) { /* four independent FMA chains, not one */
+            const float *k0 = kbuf + (int64_t)j * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+            }
+            s[j] = hsum8(a0);
+            s[j + 1] = hsum8(a1);
+            s[j + 2] = hsum8(a2);
+            s[j + 3] = hsum8(a3);
+        }
+    }
+#endif
+    for (; j < w; j++) {
+        const float *k0 = kbuf + (int64_t)j * D;
+        float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+        for (int d = 0; d < D; d++) a += qg[d] * k0[d];
+        s[j] = a;
+    }
+}
+
+/* acc[DV] = sum_j p[j] * v_j for w values (vbuf [w][DV] float32). */
+static inline void weighted_sum(const float *restrict p, const float *restrict vbuf, int w, int DV,
+                                float *restrict acc) {
+#ifdef HAVE_AVX2
+    if (DV % 32 == 0) {
+        for (int d0 = 0; d0 < DV; d0 += 32) { /* 4 accumulators stay in registers over all keys */
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int j = 0; j < w; j++) {
+                const __m256 pj = _mm256_set1_ps(p[j]);
+                const float *v = vbuf + (int64_t)j * DV + d0;
+                a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
+            }
+            _mm256_storeu_ps(acc + d0, a0);
+            _mm256_storeu_ps(acc + d0 + 8, a1);
+            _mm256_storeu_ps(acc + d0 + 16, a2);
+            _mm256_storeu_ps(acc + d0 + 24, a3);
+        }
+        return;
+    }
+#endif
+    for (int d = 0; d < DV; d++) acc[d] = 0.0f;
+    for (int j = 0; j < w; j++) {
+        const float pj = p[j];
+        const float *v = vbuf + (int64_t)j * DV;
+#pragma omp simd
+        for (int d = 0; d < DV; d++) acc[d] += pj * v[d];
+    }
+}
+
+/* s[j] = exp(s[j] - mx) (all arguments <= 0); returns the sum. */
+static inline float exp_shifted(float *restrict s, int w, float mx) {
+    int j = 0;
+    float sum = 0.0f;
+#ifdef HAVE_AVX2
+    const __m256 vmx = _mm256_set1_ps(mx), lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c_hi = _mm256_set1_ps(0.693145751953125f), c_lo = _mm256_set1_ps(1.428606765330187e-06f);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; j + 8 <= w; j += 8) { /* exp_nonpositive, eight at a time */
+        __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx), lo);
+        __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 r = _mm256_fnmadd_ps(k, c_lo, _mm256_fnmadd_ps(k, c_hi, x));
+        __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+        __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+        _mm256_storeu_ps(s + j, p);
+        vsum = _mm256_add_ps(vsum, p);
+    }
+    sum = hsum8(vsum);
+#endif
+    for (; j < w; j++) {
+        s[j] = exp_nonpositive(s[j] - mx);
+        sum += s[j];
+    }
+    return sum;
+}
+
+/* One task: G query heads against w keys of one KV head. Writes m[G] (max score), l[G]
+ * (sum of exp(score - m)) and acc[G][DV] (exp-weighted values). kbuf/vbuf: the keys and
+ * values in float32 ([w][D], [w][DV]); s: [G][w] scratch. */
+static void attend_chunk(const float *restrict qf, int group, int w, int D, int DV, const float *restrict kbuf,
+                         const float *restrict vbuf, float *restrict s, float *restrict m, float *restrict l,
+                         float *restrict acc) {
+    for (int g = 0; g < group; g++) {
+        float *sg = s + (int64_t)g * w;
+        scores(qf + (int64_t)g * D, kbuf, w, D, sg);
+        float mx = sg[0];
+#pragma omp simd reduction(max : mx)
+        for (int j = 1; j < w; j++) mx = sg[j] > mx ? sg[j] : mx;
+        const float sum = exp_shifted(sg, w, mx);
+        m[g] = mx;
+        l[g] = sum;
+        weighted_sum(sg, vbuf, w, DV, acc + (int64_t)g * DV);
+    }
+}
+
+/* Returns 0, or a negative code for arguments the kernel does not take. */
+int devin_paged_decode_attention(
+    const void *q, int64_t q_row_stride, int64_t q_head_stride, const int64_t *q_rows,
+    const void *k_cache, int64_t k_block_stride, int64_t k_slot_stride, int64_t k_head_stride,
+    const void *v_cache, int64_t v_block_stride, int64_t v_slot_stride, int64_t v_head_stride,
+    const int32_t *tables, int64_t table_stride, const int32_t *lens,
+    void *out, int64_t out_row_stride, int64_t out_head_stride,
+    int n, int num_kv_heads, int group, int head_dim, int v_head_dim, int block_size,
+    float scale, int dtype, int num_threads, int chunk) {
+    if (group < 1 || group > MAX_GROUP || head_dim < 1 || head_dim > MAX_DIM || v_head_dim < 1 ||
+        v_head_dim > MAX_DIM || chunk < 1 || chunk > MAX_CHUNK || block_size < 1 || n < 0 || num_kv_heads < 1)
+        return -1;
+#ifndef __FLT16_MAX__
+    if (dtype == DT_F16) return -2;
+#endif
+    /* tasks: (sequence, chunk) pairs, each for every KV head */
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (!first) return -3;
+    first[0] = 0;
+    for (int b = 0; b < n; b++) {
+        int len = lens[b] > 0 ? lens[b] : 0;
+        first[b + 1] = first[b] + (len + chunk - 1) / chunk;
+    }
+    int64_t nchunks = first[n];
+    int64_t ntasks = nchunks * num_kv_heads;
+    int32_t *task_seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(nchunks > 0 ? nchunks : 1));
+    const int64_t part = (int64_t)group * (v_head_dim + 2); /* m[G], l[G], acc[G][Dv] */
+    float *partial = (float *)malloc(sizeof(float) * (size_t)(ntasks > 0 ? ntasks * part : 1));
+    if (!task_seq || !partial) {
+        free(first);
+        free(task_seq);
+        free(partial);
+        return -3;
+    }
+    for (int b = 0; b < n; b++)
+        for (int64_t c = first[b]; c < first[b + 1]; c++) task_seq[c] = b;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* per-thread scratch: this chunk's keys and values in float32, its scores, the queries */
+        float *kbuf = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)head_dim);
+        float *vbuf = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)v_head_dim);
+        float *s = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)group);
+        float *qf = (float *)malloc(sizeof(float) * (size_t)group * (size_t)head_dim);
+        if (!kbuf || !vbuf || !s || !qf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < ntasks; t++) {
+            if (!kbuf || !vbuf || !s || !qf) continue;
+            const int64_t c = t / num_kv_heads;
+            const int h = (int)(t % num_kv_heads);
+            const int b = task_seq[c];
+            const int j0 = (int)(c - first[b]) * chunk;
+            const int len = lens[b];
+            const int j1 = j0 + chunk < len ? j0 + chunk : len;
+            const int w = j1 - j0;
+            const int32_t *table = tables + (int64_t)b * table_stride;
+            float *pp = partial + t * part;
+            for (int g = 0; g < group; g++) {
+                float *qg = qf + (int64_t)g * head_dim;
+                load_row(q, q_rows[b] * q_row_stride + (int64_t)(h * group + g) * q_head_stride, dtype, head_dim, qg);
+                for (int d = 0; d < head_dim; d++) qg[d] *= scale;
+            }
+            gather_rows(k_cache, k_block_stride, k_slot_stride, h * k_head_stride, table, block_size, j0, j1, dtype,
+                        head_dim, kbuf);
+            gather_rows(v_cache, v_block_stride, v_slot_stride, h * v_head_stride, table, block_size, j0, j1, dtype,
+                        v_head_dim, vbuf);
+            float *m = pp, *l = pp + group, *acc = pp + 2 * group;
+            attend_chunk(qf, group, w, head_dim, v_head_dim, kbuf, vbuf, s, m, l, acc);
+        }
+        free(kbuf);
+        free(vbuf);
+        free(s);
+        free(qf);
+    }
+    if (failed) {
+        free(first);
+        free(task_seq);
+        free(partial);
+        return -3;
+    }
+
+    /* merge each (sequence, KV head)'s chunks by log-sum-exp and write the output rows */
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t bh = 0; bh < (int64_t)n * num_kv_heads; bh++) {
+        const int b = (int)(bh / num_kv_heads);
+        const int h = (int)(bh % num_kv_heads);
+        float res[MAX_DIM];
+        for (int g = 0; g < group; g++) {
+            float mx = -INFINITY;
+            for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                const float mc = partial[(c * num_kv_heads + h) * part + g];
+                mx = mc > mx ? mc : mx;
+            }
+            float denom = 0.0f;
+            memset(res, 0, sizeof(float) * (size_t)v_head_dim);
+            for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                const float *pp = partial + (c * num_kv_heads + h) * part;
+                const float wgt = expf(pp[g] - mx);
+                denom += wgt * pp[group + g];
+                const float *a = pp + 2 * group + (int64_t)g * v_head_dim;
+                for (int d = 0; d < v_head_dim; d++) res[d] += wgt * a[d];
+            }
+            const float inv = denom > 0.0f ? 1.0f / denom : 0.0f; /* no keys: zeros */
+            for (int d = 0; d < v_head_dim; d++) res[d] *= inv;
+            store_row(out, q_rows[b] * out_row_stride + (int64_t)(h * group + g) * out_head_stride, dtype,
+                      v_head_dim, res);
+        }
+    }
+    free(first);
+    free(task_seq);
+    free(partial);
+    return 0;
+}
