@@ -214,7 +214,7 @@ def main() -> None:
         opt = devin_compile.optimize(model, tokenizer=tok, max_num_seqs=args.max_num_seqs,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      enable_prefix_caching=caching, step_mode=mode)
-        opt.wait_until_ready()  # the fused decode kernel's background compile must not share the CPU
+        opt.wait_until_ready()  # a backend compiling in the background must not share the CPU with timing
         run_devin(opt, work[:4])  # warm-up
         results[label] = run_devin(opt, work)
     breakdown = step_breakdown(opt, work) if args.breakdown else None

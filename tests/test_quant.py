@@ -134,6 +134,9 @@ def test_op_uses_dense_copy_above_the_token_limit():
     many = torch.ops.devin.int4_linear(x, qw, sz, g, n, "cpu", None, dense, 2)
     assert torch.equal(few, torch.ops.devin.int4_linear(x[:2], qw, sz, g, n, "cpu"))
     assert torch.equal(many, torch.nn.functional.linear(x, dense))
+    # float32 GEMMs over the half-precision copy (CPUs without native bf16 GEMMs)
+    up = torch.ops.devin.int4_linear(x, qw, sz, g, n, "cpu", None, dense, 2, "upcast")
+    assert torch.equal(up, torch.nn.functional.linear(x.float(), dense.float()).bfloat16())
 
 
 # ---------------------------------------------------------------- algorithms

@@ -238,6 +238,7 @@ int devin_paged_decode_attention(
     const void *v_cache, int64_t v_block_stride, int64_t v_slot_stride, int64_t v_head_stride,
     const int32_t *tables, int64_t table_stride, const int32_t *lens,
     void *out, int64_t out_row_stride, int64_t out_head_stride,
+    float *mass, int64_t mass_row_stride, int64_t mass_head_stride,
     int n, int num_kv_heads, int group, int head_dim, int v_head_dim, int block_size,
     float scale, int dtype, int num_threads, int chunk) {
     if (group < 1 || group > MAX_GROUP || head_dim < 1 || head_dim > MAX_DIM || v_head_dim < 1 ||
@@ -259,10 +260,13 @@ int devin_paged_decode_attention(
     int32_t *task_seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(nchunks > 0 ? nchunks : 1));
     const int64_t part = (int64_t)group * (v_head_dim + 2); /* m[G], l[G], acc[G][Dv] */
     float *partial = (float *)malloc(sizeof(float) * (size_t)(ntasks > 0 ? ntasks * part : 1));
-    if (!task_seq || !partial) {
+    /* with a mass output: every task's exp(score - its max), [G][chunk], kept for the merge */
+    float *probs = mass ? (float *)malloc(sizeof(float) * (size_t)(ntasks > 0 ? ntasks : 1) * group * chunk) : NULL;
+    if (!task_seq || !partial || (mass && !probs)) {
         free(first);
         free(task_seq);
         free(partial);
+        free(probs);
         return -3;
     }
     for (int b = 0; b < n; b++)
@@ -303,6 +307,7 @@ int devin_paged_decode_attention(
                         v_head_dim, vbuf);
             float *m = pp, *l = pp + group, *acc = pp + 2 * group;
             attend_chunk(qf, group, w, head_dim, v_head_dim, kbuf, vbuf, s, m, l, acc);
+            if (probs) memcpy(probs + t * group * chunk, s, sizeof(float) * (size_t)group * (size_t)w);
         }
         free(kbuf);
         free(vbuf);
@@ -313,36 +318,52 @@ int devin_paged_decode_attention(
         free(first);
         free(task_seq);
         free(partial);
+        free(probs);
         return -3;
     }
 
-    /* merge each (sequence, KV head)'s chunks by log-sum-exp and write the output rows */
+    /* merge each (sequence, KV head)'s chunks by log-sum-exp and write the output rows; with a
+     * mass output, also each key's softmax weight summed over the G query heads */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t bh = 0; bh < (int64_t)n * num_kv_heads; bh++) {
         const int b = (int)(bh / num_kv_heads);
         const int h = (int)(bh % num_kv_heads);
-        float res[MAX_DIM];
+        float res[MAX_DIM], mx[MAX_GROUP], inv[MAX_GROUP];
         for (int g = 0; g < group; g++) {
-            float mx = -INFINITY;
+            mx[g] = -INFINITY;
             for (int64_t c = first[b]; c < first[b + 1]; c++) {
                 const float mc = partial[(c * num_kv_heads + h) * part + g];
-                mx = mc > mx ? mc : mx;
+                mx[g] = mc > mx[g] ? mc : mx[g];
             }
             float denom = 0.0f;
             memset(res, 0, sizeof(float) * (size_t)v_head_dim);
             for (int64_t c = first[b]; c < first[b + 1]; c++) {
                 const float *pp = partial + (c * num_kv_heads + h) * part;
-                const float wgt = expf(pp[g] - mx);
+                const float wgt = expf(pp[g] - mx[g]);
                 denom += wgt * pp[group + g];
                 const float *a = pp + 2 * group + (int64_t)g * v_head_dim;
                 for (int d = 0; d < v_head_dim; d++) res[d] += wgt * a[d];
             }
-            const float inv = denom > 0.0f ? 1.0f / denom : 0.0f; /* no keys: zeros */
-            for (int d = 0; d < v_head_dim; d++) res[d] *= inv;
+            inv[g] = denom > 0.0f ? 1.0f / denom : 0.0f; /* no keys: zeros */
+            for (int d = 0; d < v_head_dim; d++) res[d] *= inv[g];
             store_row(out, q_rows[b] * out_row_stride + (int64_t)(h * group + g) * out_head_stride, dtype,
                       v_head_dim, res);
         }
+        if (!probs) continue;
+        for (int64_t c = first[b]; c < first[b + 1]; c++) {
+            const int64_t t = c * num_kv_heads + h;
+            const int j0 = (int)(c - first[b]) * chunk;
+            const int w = (j0 + chunk < lens[b] ? j0 + chunk : lens[b]) - j0;
+            float *dst = mass + (int64_t)b * mass_row_stride + (int64_t)h * mass_head_stride + j0;
+            for (int j = 0; j < w; j++) dst[j] = 0.0f;
+            for (int g = 0; g < group; g++) {
+                const float wgt = expf(partial[t * part + g] - mx[g]) * inv[g];
+                const float *pg = probs + t * group * chunk + (int64_t)g * w;
+                for (int j = 0; j < w; j++) dst[j] += wgt * pg[j];
+            }
+        }
     }
+    free(probs);
     free(first);
     free(task_seq);
     free(partial);

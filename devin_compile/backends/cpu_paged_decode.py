@@ -19,7 +19,8 @@ Contract of :func:`decode_attention`: ``q`` [T, Hq, D] (float32, bf16 or fp16, c
 in its last dim), caches [blocks, block_size, Hkv, D] in q's dtype, ``rows`` int64 [n] the
 q/out row of each sequence, ``tables`` int32 [n, M] block tables, ``lens`` int32 [n] cached
 keys (attends to slots ``0 .. lens[b]-1``; 0 gives zeros). Writes ``out[rows]`` ([T, Hq, Dv],
-q's dtype). Float32 arithmetic throughout.
+q's dtype), and optionally the attention mass per cached key (KV pruning's scores). Float32
+arithmetic throughout.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ _ARGTYPES = [_p, _i64, _i64, _p,  # q, strides, rows
              _p, _i64, _i64, _i64,  # v cache and strides
              _p, _i64, _p,  # tables, table stride, lens
              _p, _i64, _i64,  # out and strides
+             _p, _i64, _i64,  # mass (or NULL) and strides
              _i, _i, _i, _i, _i, _i,  # n, Hkv, G, D, Dv, block_size
              ctypes.c_float, _i, _i, _i]  # scale, dtype, threads, chunk
 
@@ -126,8 +128,12 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                     tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """See the module docstring. ``out`` must be [T, Hq, Dv] in q's dtype, last dim contiguous."""
+                     tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor,
+                     mass: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring. ``out`` must be [T, Hq, Dv] in q's dtype, last dim contiguous.
+    ``mass`` (optional, float32 [n, Hkv, >= max(lens)], last dim contiguous) receives each
+    cached key's softmax weight summed over the query heads of its KV head (entries past
+    ``lens[b]`` are left as they are): what KV pruning scores tokens by."""
     lib = load()
     if lib is None:
         raise RuntimeError("the C decode-attention kernel is unavailable on this machine (see the log)")
@@ -136,12 +142,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert rows.dtype == torch.int64 and tables.dtype == torch.int32 and lens.dtype == torch.int32
     assert rows.is_contiguous() and lens.is_contiguous() and tables.stride(-1) == 1 and out.dtype == q.dtype
     assert tables.shape[0] == n == lens.shape[0] and out.stride(-1) == 1
+    if mass is not None:
+        assert mass.dtype == torch.float32 and mass.stride(-1) == 1 and mass.shape[:2] == (n, hkv)
+        assert n == 0 or mass.shape[2] >= int(lens.max())
     rc = lib.devin_paged_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), rows.data_ptr(),
         k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),
+        None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
+        0 if mass is None else mass.stride(1),
         n, hkv, q.shape[1] // hkv, q.shape[2], v_cache.shape[-1], k_cache.shape[1],
         float(scale), _DTYPES[q.dtype], torch.get_num_threads(), CHUNK)
     if rc != 0:

@@ -14,13 +14,16 @@ Kernel choice by the number of tokens in the step: when ``dense`` is given (the 
 dequantized once, at compile time, to the activation dtype) and the call has more than
 ``max_int4_tokens`` rows, it runs as a dense linear (``dense_kernel="mkldnn"``: a oneDNN
 prepacked weight, as :mod:`~devin_compile.passes.prepack_linear` makes them); otherwise the
-int4 kernel runs. ``max_int4_tokens=-1`` means "always int4".
+int4 kernel runs. ``dense_kernel="upcast"``: float32 GEMMs over the half-precision copy
+(:func:`~devin_compile.ops.upcast_linear.upcast_linear`, for CPUs without native bf16/fp16
+GEMMs). ``max_int4_tokens=-1`` means "always int4".
 """
 from __future__ import annotations
 
 import torch
 
 from ..backends import int4 as kernels
+from .upcast_linear import upcast_linear
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size, int out_features, "
@@ -35,6 +38,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tens
     if dense is not None and max_int4_tokens >= 0 and x.numel() // x.shape[-1] > max_int4_tokens:
         if dense_kernel == "mkldnn":
             return torch.ops.mkldnn._linear_pointwise(x, dense, bias, "none", [], "")
+        if dense_kernel == "upcast":
+            return upcast_linear(x, dense, bias, min_rows=0)
         return torch.nn.functional.linear(x, dense, bias)
     return kernels.run(x, qweight, scales_zeros, group_size, out_features, kernel, bias)
 

@@ -24,8 +24,9 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    resolved before compiling into ``keep_fp=N`` by measuring the KL of eager simulations on
    calibration text (:func:`~devin_compile.quant.quantize.resolve_max_kl`).
 4. INT4 linears become ``devin::int4_linear`` (operands prepared once for the kernel);
-   with ``dense_prefill`` a dequantized dense copy (oneDNN-prepacked on CPU) serves steps of
-   more than ``max_int4_tokens`` tokens. Kept linears of an AWQ result get their folded
+   with ``dense_prefill`` a dequantized dense copy (oneDNN-prepacked on CPU; on CPUs without
+   native bf16/fp16 GEMMs run by :func:`~devin_compile.ops.upcast_linear.upcast_linear`) serves
+   steps of more than ``max_int4_tokens`` tokens. Kept linears of an AWQ result get their folded
    full-precision weight; AWQ's scaled norm weights replace the originals.
 
 The report's note gives the counts, bytes and kernel; ``details`` is the per-layer table
@@ -42,7 +43,7 @@ from ..backends import int4 as kernels
 from ..graph_utils import add_call, is_call
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from ..quant import int4 as fmt
-from ..quant.quantize import DEFAULT_MAX_INT4_TOKENS, QuantConfig, QuantResult
+from ..quant.quantize import DEFAULT_MAX_INT4_TOKENS, MAX_INT4_TOKENS_UPCAST, QuantConfig, QuantResult
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _fake_like, _param
 from .prepack_linear import prepack_supported
@@ -149,7 +150,8 @@ class AssignPrecision(Pass):
         elif kernel == "cpu":
             # fp32 activations: the CPU int4 kernel has no fast fp32 path (~50x oneDNN), so every
             # step uses the dense dequantized copy (quality as INT4, speed and memory as fp32).
-            limit = DEFAULT_MAX_INT4_TOKENS if kernels.cpu_kernel_fast(dtype) else 0
+            limit = (0 if not kernels.cpu_kernel_fast(dtype) else DEFAULT_MAX_INT4_TOKENS
+                     if prepack_supported(dtype) else MAX_INT4_TOKENS_UPCAST)
         else:
             limit = -1
         return kernel, (limit if dense else -1), dense
@@ -195,6 +197,8 @@ class AssignPrecision(Pass):
         chosen = choose_int4(cands, self.qconfig.target)
         kernel, max_tokens, dense = self._kernel(device, dtype)
         packed_dense = dense and device.type == "cpu" and prepack_supported(dtype)
+        # no native half-precision GEMM on this CPU: the dense copy runs as float32 GEMMs
+        upcast_dense = dense and device.type == "cpu" and not packed_dense and dtype in (torch.bfloat16, torch.float16)
         rows = []
         dense_bytes = 0
         for i, c in enumerate(cands):
@@ -216,6 +220,8 @@ class AssignPrecision(Pass):
                         if packed_dense:
                             wd = torch.ops.mkldnn._reorder_linear_weight(wd, 1)
                             kwargs["dense_kernel"] = "mkldnn"
+                        elif upcast_dense:
+                            kwargs["dense_kernel"] = "upcast"
                         kwargs["dense"] = _set_attr(gm, f"int4_{i}_dense", wd, w_node)
                         dense_bytes += c.fp_bytes
                     new = add_call(graph, torch.ops.devin.int4_linear.default,
@@ -248,7 +254,8 @@ class AssignPrecision(Pass):
         fp_bytes = sum(c.fp_bytes for c in cands)
         groups = sorted({(c.group_size, r["group_note"]) for c, r in zip(cands, rows)})
         gnote = "; ".join(f"g{g}" + (f" ({why})" if why else "") for g, why in groups)
-        mode = (f"{kernel} kernel for steps of <= {max_tokens} tokens, dense {'oneDNN ' if packed_dense else ''}copy above"
+        dense_kind = "oneDNN " if packed_dense else "float32-GEMM " if upcast_dense else ""
+        mode = (f"{kernel} kernel for steps of <= {max_tokens} tokens, dense {dense_kind}copy above"
                 if dense and max_tokens > 0 else "dense dequantized copy for every step (fp32: the CPU int4 kernel "
                 "has no fast fp32 path)" if dense else f"{kernel} kernel for every step")
         note = (f"{res.method} INT4 {n4}/{len(cands)} linears ({p4 / ptot:.1%} of decoder-linear weights), "

@@ -31,6 +31,10 @@ RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill")
 # bf16 at 1-4 tokens, ~1.3x at 6-8, slower from 16 tokens on (0.4x at 64), where the bf16
 # GEMM is compute-bound. Steps with more tokens than this use the dense copy.
 DEFAULT_MAX_INT4_TOKENS = 8
+# The same crossover on a CPU without native bf16 GEMMs (AVX2 only), where the dense copy runs
+# as float32 GEMMs (ops/upcast_linear.py): int4 9.6 vs 14.6 ms at 1 token, 44.6 vs 78.4 ms at
+# 16, 91 vs 89 ms at 32.
+MAX_INT4_TOKENS_UPCAST = 24
 
 
 def parse_target(value: Any) -> dict:
