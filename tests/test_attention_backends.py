@@ -337,7 +337,7 @@ def test_c_decode_kernel_matches_reference(dtype: torch.dtype, head_dim: int, gr
     monkeypatch.setattr(cpu_paged_decode, "CHUNK", 32)
     calls = []
     real = cpu_paged_decode.decode_attention
-    monkeypatch.setattr(cpu_paged_decode, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_paged_decode, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     case = _decode_case([3, 300, 7, 290, 150, 2, 33], mixed=mixed, bs=16 if head_dim == 64 else 5, hkv=2,
                         group=group, head_dim=head_dim)
     check_backend("cpu_sdpa", case, dtype)

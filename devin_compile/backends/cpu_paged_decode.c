@@ -11,12 +11,12 @@
  *   lens [n] int32                  cached keys of b (0: the output row is zeros)
  *   out  [rows, Hq, Dv]             written at the same rows as q, in q's dtype
  *
- * Work is split into tasks of (sequence, KV head, chunk of `chunk` keys), so one long
- * sequence still fills every thread (split-K, as flash-decoding does). A task converts each
- * key and value row to float32 once, serves all G query heads of its KV head from it
- * (grouped-query attention without repeats), and keeps a numerically stable partial
- * softmax (max, sum, weighted values); a second parallel loop merges a sequence's chunks by
- * their log-sum-exp. All arithmetic is float32.
+ * Work is split into tasks of (sequence, chunk of `chunk` keys), so one long sequence
+ * still fills every thread (split-K, as flash-decoding does). A task reads its slots' whole
+ * rows (every KV head: contiguous in the pool), converts each to float32 once, serves all G
+ * query heads of a KV head from it (grouped-query attention without repeats), and keeps a
+ * numerically stable partial softmax (max, sum, weighted values) per KV head; a second
+ * parallel loop merges a sequence's chunks by their log-sum-exp. All arithmetic is float32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -91,16 +91,19 @@ static inline float exp_nonpositive(float x) {
     return p * two_k;
 }
 
-/* Gather keys j0..j1-1 of one sequence's KV head into dst [w][dim] float32, block by block. */
-static inline void gather_rows(const void *cache, int64_t block_stride, int64_t slot_stride, int64_t head_off,
-                               const int32_t *table, int block_size, int j0, int j1, int dtype, int dim,
+/* Gather keys j0..j1-1 of one sequence, every KV head, into dst [w][nheads][dim] float32, block
+ * by block: a task reads whole slot rows (all heads), so its reads are contiguous in the pool. */
+static inline void gather_rows(const void *cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+                               int nheads, const int32_t *table, int block_size, int j0, int j1, int dtype, int dim,
                                float *restrict dst) {
     int j = j0;
     while (j < j1) {
         const int off = j % block_size;
         const int stop = j - off + block_size < j1 ? j - off + block_size : j1;
-        const int64_t base = (int64_t)table[j / block_size] * block_stride + head_off;
-        for (int k = off; k < off + (stop - j); k++, dst += dim) load_row(cache, base + k * slot_stride, dtype, dim, dst);
+        const int64_t base = (int64_t)table[j / block_size] * block_stride;
+        for (int k = off; k < off + (stop - j); k++)
+            for (int h = 0; h < nheads; h++, dst += dim)
+                load_row(cache, base + k * slot_stride + h * head_stride, dtype, dim, dst);
         j = stop;
     }
 }
@@ -116,20 +119,21 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* s[j] = q · k_j for w keys (kbuf [w][D] float32). */
-static inline void scores(const float *restrict qg, const float *restrict kbuf, int w, int D, float *restrict s) {
+/* s[j] = q · k_j for w keys (key j at kbuf + j * ks, float32). */
+static inline void scores(const float *restrict qg, const float *restrict kbuf, int w, int D, int64_t ks,
+                          float *restrict s) {
     int j = 0;
 #ifdef HAVE_AVX2
     if (D % 8 == 0) {
         for (; j + 4 <= w; j += 4) { /* four independent FMA chains, not one */
-            const float *k0 = kbuf + (int64_t)j * D;
+            const float *k0 = kbuf + (int64_t)j * ks;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int d = 0; d < D; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qg + d);
                 a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ks + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ks + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ks + d), a3);
             }
             s[j] = hsum8(a0);
             s[j + 1] = hsum8(a1);
@@ -139,7 +143,7 @@ static inline void scores(const float *restrict qg, const float *restrict kbuf, 
     }
 #endif
     for (; j < w; j++) {
-        const float *k0 = kbuf + (int64_t)j * D;
+        const float *k0 = kbuf + (int64_t)j * ks;
         float a = 0.0f;
 #pragma omp simd reduction(+ : a)
         for (int d = 0; d < D; d++) a += qg[d] * k0[d];
@@ -147,8 +151,8 @@ static inline void scores(const float *restrict qg, const float *restrict kbuf, 
     }
 }
 
-/* acc[DV] = sum_j p[j] * v_j for w values (vbuf [w][DV] float32). */
-static inline void weighted_sum(const float *restrict p, const float *restrict vbuf, int w, int DV,
+/* acc[DV] = sum_j p[j] * v_j for w values (value j at vbuf + j * vs, float32). */
+static inline void weighted_sum(const float *restrict p, const float *restrict vbuf, int w, int DV, int64_t vs,
                                 float *restrict acc) {
 #ifdef HAVE_AVX2
     if (DV % 32 == 0) {
@@ -156,7 +160,7 @@ static inline void weighted_sum(const float *restrict p, const float *restrict v
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int j = 0; j < w; j++) {
                 const __m256 pj = _mm256_set1_ps(p[j]);
-                const float *v = vbuf + (int64_t)j * DV + d0;
+                const float *v = vbuf + (int64_t)j * vs + d0;
                 a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
                 a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
                 a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
@@ -173,7 +177,7 @@ static inline void weighted_sum(const float *restrict p, const float *restrict v
     for (int d = 0; d < DV; d++) acc[d] = 0.0f;
     for (int j = 0; j < w; j++) {
         const float pj = p[j];
-        const float *v = vbuf + (int64_t)j * DV;
+        const float *v = vbuf + (int64_t)j * vs;
 #pragma omp simd
         for (int d = 0; d < DV; d++) acc[d] += pj * v[d];
     }
@@ -214,20 +218,20 @@ static inline float exp_shifted(float *restrict s, int w, float mx) {
 
 /* One task: G query heads against w keys of one KV head. Writes m[G] (max score), l[G]
  * (sum of exp(score - m)) and acc[G][DV] (exp-weighted values). kbuf/vbuf: the keys and
- * values in float32 ([w][D], [w][DV]); s: [G][w] scratch. */
+ * values in float32, row strides ks/vs; s: [G][w] scratch. */
 static void attend_chunk(const float *restrict qf, int group, int w, int D, int DV, const float *restrict kbuf,
-                         const float *restrict vbuf, float *restrict s, float *restrict m, float *restrict l,
-                         float *restrict acc) {
+                         int64_t ks, const float *restrict vbuf, int64_t vs, float *restrict s, float *restrict m,
+                         float *restrict l, float *restrict acc) {
     for (int g = 0; g < group; g++) {
         float *sg = s + (int64_t)g * w;
-        scores(qf + (int64_t)g * D, kbuf, w, D, sg);
+        scores(qf + (int64_t)g * D, kbuf, w, D, ks, sg);
         float mx = sg[0];
 #pragma omp simd reduction(max : mx)
         for (int j = 1; j < w; j++) mx = sg[j] > mx ? sg[j] : mx;
         const float sum = exp_shifted(sg, w, mx);
         m[g] = mx;
         l[g] = sum;
-        weighted_sum(sg, vbuf, w, DV, acc + (int64_t)g * DV);
+        weighted_sum(sg, vbuf, w, DV, vs, acc + (int64_t)g * DV);
     }
 }
 
@@ -275,9 +279,10 @@ int devin_paged_decode_attention(
 
 #pragma omp parallel num_threads(num_threads)
     {
-        /* per-thread scratch: this chunk's keys and values in float32, its scores, the queries */
-        float *kbuf = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)head_dim);
-        float *vbuf = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)v_head_dim);
+        /* per-thread scratch: this chunk's keys and values (all KV heads) in float32, scores, queries */
+        const int64_t ks = (int64_t)num_kv_heads * head_dim, vs = (int64_t)num_kv_heads * v_head_dim;
+        float *kbuf = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)ks);
+        float *vbuf = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)vs);
         float *s = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)group);
         float *qf = (float *)malloc(sizeof(float) * (size_t)group * (size_t)head_dim);
         if (!kbuf || !vbuf || !s || !qf) {
@@ -285,29 +290,31 @@ int devin_paged_decode_attention(
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < ntasks; t++) {
+        for (int64_t c = 0; c < nchunks; c++) {
             if (!kbuf || !vbuf || !s || !qf) continue;
-            const int64_t c = t / num_kv_heads;
-            const int h = (int)(t % num_kv_heads);
             const int b = task_seq[c];
             const int j0 = (int)(c - first[b]) * chunk;
             const int len = lens[b];
             const int j1 = j0 + chunk < len ? j0 + chunk : len;
             const int w = j1 - j0;
             const int32_t *table = tables + (int64_t)b * table_stride;
-            float *pp = partial + t * part;
-            for (int g = 0; g < group; g++) {
-                float *qg = qf + (int64_t)g * head_dim;
-                load_row(q, q_rows[b] * q_row_stride + (int64_t)(h * group + g) * q_head_stride, dtype, head_dim, qg);
-                for (int d = 0; d < head_dim; d++) qg[d] *= scale;
+            gather_rows(k_cache, k_block_stride, k_slot_stride, k_head_stride, num_kv_heads, table, block_size, j0,
+                        j1, dtype, head_dim, kbuf);
+            gather_rows(v_cache, v_block_stride, v_slot_stride, v_head_stride, num_kv_heads, table, block_size, j0,
+                        j1, dtype, v_head_dim, vbuf);
+            for (int h = 0; h < num_kv_heads; h++) {
+                const int64_t t = c * num_kv_heads + h;
+                for (int g = 0; g < group; g++) {
+                    float *qg = qf + (int64_t)g * head_dim;
+                    load_row(q, q_rows[b] * q_row_stride + (int64_t)(h * group + g) * q_head_stride, dtype, head_dim,
+                             qg);
+                    for (int d = 0; d < head_dim; d++) qg[d] *= scale;
+                }
+                float *pp = partial + t * part;
+                attend_chunk(qf, group, w, head_dim, v_head_dim, kbuf + h * head_dim, ks, vbuf + h * v_head_dim, vs,
+                             s, pp, pp + group, pp + 2 * group);
+                if (probs) memcpy(probs + t * group * chunk, s, sizeof(float) * (size_t)group * (size_t)w);
             }
-            gather_rows(k_cache, k_block_stride, k_slot_stride, h * k_head_stride, table, block_size, j0, j1, dtype,
-                        head_dim, kbuf);
-            gather_rows(v_cache, v_block_stride, v_slot_stride, h * v_head_stride, table, block_size, j0, j1, dtype,
-                        v_head_dim, vbuf);
-            float *m = pp, *l = pp + group, *acc = pp + 2 * group;
-            attend_chunk(qf, group, w, head_dim, v_head_dim, kbuf, vbuf, s, m, l, acc);
-            if (probs) memcpy(probs + t * group * chunk, s, sizeof(float) * (size_t)group * (size_t)w);
         }
         free(kbuf);
         free(vbuf);

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
-CHUNK = 256  # keys per task: small enough that one long sequence still feeds every thread
+CHUNK = 256  # most keys per task; fewer when the step has few keys, so every thread gets work
+MIN_CHUNK = 32
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lib: ctypes.CDLL | None = None
@@ -127,13 +128,21 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
             and q.shape[1] % k_cache.shape[2] == 0)
 
 
+def chunk_for(total_keys: int, threads: int | None = None) -> int:
+    """Keys per task: :data:`CHUNK`, or less so a step has about 4 tasks per thread."""
+    threads = threads or torch.get_num_threads()
+    want = -(-total_keys // (4 * threads))
+    return max(MIN_CHUNK, min(CHUNK, -(-want // 16) * 16))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor,
-                     mass: torch.Tensor | None = None) -> torch.Tensor:
+                     mass: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """See the module docstring. ``out`` must be [T, Hq, Dv] in q's dtype, last dim contiguous.
     ``mass`` (optional, float32 [n, Hkv, >= max(lens)], last dim contiguous) receives each
     cached key's softmax weight summed over the query heads of its KV head (entries past
-    ``lens[b]`` are left as they are): what KV pruning scores tokens by."""
+    ``lens[b]`` are left as they are): what KV pruning scores tokens by. ``chunk``: keys per
+    task (default :func:`chunk_for` the step's keys; callers with host-side lengths pass it)."""
     lib = load()
     if lib is None:
         raise RuntimeError("the C decode-attention kernel is unavailable on this machine (see the log)")
@@ -154,7 +163,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         None if mass is None else mass.data_ptr(), 0 if mass is None else mass.stride(0),
         0 if mass is None else mass.stride(1),
         n, hkv, q.shape[1] // hkv, q.shape[2], v_cache.shape[-1], k_cache.shape[1],
-        float(scale), _DTYPES[q.dtype], torch.get_num_threads(), CHUNK)
+        float(scale), _DTYPES[q.dtype], torch.get_num_threads(), chunk or chunk_for(int(lens.sum())))
     if rc != 0:
         raise RuntimeError(f"the C decode-attention kernel rejected its arguments (code {rc})")
     return out

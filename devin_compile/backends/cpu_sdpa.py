@@ -89,8 +89,8 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device,
 
 
 def _kernel_plan(meta: AttentionMetadata, rows: list[int], device: torch.device):
-    """(q/out row of each decode sequence, their block tables, their lengths) for the C kernel,
-    built once per step and shared by every layer."""
+    """(q/out row of each decode sequence, their block tables, their lengths, keys per task) for
+    the C kernel, built once per step and shared by every layer."""
     plan = meta.scratch.get("cpu_decode_kernel")
     if plan is not None:
         return plan
@@ -103,8 +103,9 @@ def _kernel_plan(meta: AttentionMetadata, rows: list[int], device: torch.device)
         idx = torch.tensor(rows, dtype=torch.long, device=device)
         plan = (torch.tensor([qstart[b] for b in rows], dtype=torch.long, device=device),
                 meta.block_tables.index_select(0, idx).contiguous(), meta.seq_lens.index_select(0, idx).contiguous())
-    meta.scratch["cpu_decode_kernel"] = plan
     real = sum(meta.seq_lens_host[b] for b in rows)
+    plan = (*plan, cpu_paged_decode.chunk_for(real))
+    meta.scratch["cpu_decode_kernel"] = plan
     meta.scratch["attention_padding"] = (real, real)  # the kernel reads exactly the cached keys
     return plan
 
@@ -122,10 +123,10 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: li
     then fused SDPA in float32.
     """
     if cpu_paged_decode.load() is not None and cpu_paged_decode.supports(q, k_cache, v_cache):
-        tok, tables, lens = _kernel_plan(meta, rows, q.device)
+        tok, tables, lens, chunk = _kernel_plan(meta, rows, q.device)
         if out is None:
             out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
-        return cpu_paged_decode.decode_attention(q, k_cache, v_cache, tok, tables, lens, scale, out)
+        return cpu_paged_decode.decode_attention(q, k_cache, v_cache, tok, tables, lens, scale, out, chunk=chunk)
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
@@ -166,6 +167,9 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: li
 class CpuSdpaBackend:
     name = "cpu_sdpa"
     priority = 10
+    # KV pruning asks for the attention mass on its evaluation steps only (the torch reference
+    # and Triton give it every step): the C kernel makes it in the same pass over the keys.
+    scores_every_step = False
 
     def is_available(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -204,6 +208,26 @@ class CpuSdpaBackend:
             out[start:end] = o.transpose(0, 1)
             start = end
         return out
+
+
+    def forward_with_scores(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, rows):
+        """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]}): from
+        the C kernel's side output in a pure-decode step, else from the torch reference."""
+        decode = sliding_window <= 0 and softcap <= 0 and meta.is_pure_decode
+        if not (decode and cpu_paged_decode.load() is not None and cpu_paged_decode.supports(q, k_cache, v_cache)):
+            from .registry import get_backend
+
+            return get_backend("torch_reference").forward_with_scores(
+                q, k, v, k_cache, v_cache, meta, scale=scale, softcap=softcap, sliding_window=sliding_window,
+                rows=rows)
+        write_kv(k, v, k_cache, v_cache, meta)
+        all_rows = list(range(meta.num_seqs))
+        tok, tables, lens, chunk = _kernel_plan(meta, all_rows, q.device)
+        mass = torch.empty((meta.num_seqs, k_cache.shape[2], max(meta.max_seq_len, 1)), dtype=torch.float32,
+                           device=q.device)
+        out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+        cpu_paged_decode.decode_attention(q, k_cache, v_cache, tok, tables, lens, scale, out, mass, chunk=chunk)
+        return out, {b: mass[b, :, :meta.seq_lens_host[b]] for b in rows}
 
 
 register_backend(CpuSdpaBackend())

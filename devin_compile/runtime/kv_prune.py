@@ -9,9 +9,10 @@ node after each ``devin::paged_attention``, see ``passes/insert_kv_prune.py``):
    context (``StepContext.kv_prune``); with no pruning sequence it returns None and the ops
    do nothing beyond one attribute check.
 2. ``devin::paged_attention`` asks a backend that can (``forward_with_scores``: torch
-   reference, Triton) for the attention mass side output; ``devin::kv_prune`` (layer ``l``)
-   takes it, or on evaluation steps recomputes it from ``q`` and the cache for backends
-   that cannot (CPU SDPA, FlashAttention), and folds it into each sequence's score
+   reference and Triton on every decode step; CPU SDPA, whose ``scores_every_step`` is
+   False, on evaluation steps only) for the attention mass side output; ``devin::kv_prune``
+   (layer ``l``) takes it, or on evaluation steps recomputes it from ``q`` and the cache for
+   backends that cannot (FlashAttention), and folds it into each sequence's score
    accumulator (:meth:`PruneStep.accumulate`).
 3. :meth:`KVPruner.finish` (engine, after the forward) evaluates: policy, then compaction.
 
@@ -20,7 +21,8 @@ step's query on cached slot ``j``, summed over the ``G`` query heads sharing KV 
 The normalised score of one observation is ``max_h (a[h, j] / G) · n_live``: the largest
 per-KV-head mean attention times the number of live slots, so **1.0 means uniform
 attention** at any context length. A token's score is the mean over the steps that observed
-it (every decode step with a side output, evaluation steps only when recomputed).
+it (every decode step with a side output from a backend with ``scores_every_step``,
+evaluation steps only otherwise).
 
 **Policy.** The first ``sink_tokens`` positions and the last ``recent_tokens`` positions are
 never evicted. ``count`` = the mean over layers of the number of other tokens scoring below
@@ -292,6 +294,7 @@ class KVPruner:
         if not rows:
             return None
         side_capable = hasattr(self.backend, "forward_with_scores")
+        every_step = side_capable and getattr(self.backend, "scores_every_step", True)
         eval_rows, score_rows = [], []
         for b, seq in rows:
             st: PruneState = seq.kv_prune_state
@@ -299,7 +302,7 @@ class KVPruner:
             evaluate = st.steps_since_eval >= st.config.step_interval
             if evaluate:
                 eval_rows.append((b, seq))
-            if st.config.policy == "attention" and (evaluate or side_capable):
+            if st.config.policy == "attention" and (evaluate or every_step):
                 score_rows.append((b, seq))
         return PruneStep(rows, eval_rows, score_rows, side_output=side_capable and bool(score_rows))
 
