@@ -2,10 +2,10 @@
 
 Decode attention is memory-bound: each step reads every cached key and value once. The
 torch paths around it pay for copies instead: gather + cast + SDPA reads and writes each
-K/V row three times more, and the Inductor kernel of :mod:`.cpu_fused_decode` does not
-vectorise its indirect loads. Measured on this 2-core AVX2 CPU (bf16 pool, 24 sequences of
-300–600 cached tokens, SmolLM2's 9 query / 3 KV heads of 64, one layer): gather + SDPA
-7.7 ms, the Inductor kernel 2.7 ms, this kernel ~0.6 ms.
+K/V row three times more, and an Inductor-generated kernel over the same gathers (used here
+before this one) did not vectorise its indirect loads. Measured on this 2-core AVX2 CPU (bf16
+pool, 24 sequences of 300–600 cached tokens, SmolLM2's 9 query / 3 KV heads of 64, one layer,
+cache-warm): gather + SDPA 7.7–14 ms, the Inductor kernel 2.7 ms, this kernel 0.7 ms.
 
 The source has no torch headers, so the system C compiler (``$CC``, else ``cc``) builds it in
 about a second, with ``-O3 -march=native -fopenmp``; the shared object is cached under
@@ -83,7 +83,15 @@ def _build(cc: str) -> Path:
     target = cache_dir() / f"cpu_paged_decode-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(target.parent, os.W_OK):
+            raise PermissionError(target.parent)
+    except OSError:  # read-only home: build into the temp dir instead
+        target = Path(tempfile.gettempdir()) / "devin_compile_kernels" / target.name
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
