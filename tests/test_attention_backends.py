@@ -450,21 +450,20 @@ def test_op_dispatches_to_installed_backend(name: str, softcap: float, served: b
 
 @c_kernel
 def test_c_kernel_attention_mass_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KV pruning's scores from the C kernel (split into 32-key chunks) equal the torch
-    recomputation: per KV head, the softmax mass of each cached key summed over its query heads."""
+    """KV pruning's scores from the C kernel (cpu_sdpa's side output, split into 32-key chunks)
+    equal the torch recomputation: per KV head, the softmax mass of each cached key summed over
+    its query heads."""
     from devin_compile.backends import cpu_paged_decode
     from devin_compile.backends.attention_scores import recompute_decode_mass
 
     case = _decode_case([3, 300, 7, 290, 150, 2, 33], mixed=False, bs=16, hkv=3, group=3, head_dim=64)
     meta = case.meta()
     q, k, v, k_cache, v_cache = _tensors(case, torch.float32)
-    write_kv(k, v, k_cache, v_cache, meta)
     rows = [0, 1, 3, 6]
     monkeypatch.setattr(cpu_paged_decode, "CHUNK", 32)
-    got = recompute_decode_mass(q, k_cache, meta, rows, scale=0.125)
-    with pytest.MonkeyPatch.context() as mp:
-        _without_c_kernel(mp)
-        want = recompute_decode_mass(q, k_cache, meta, rows, scale=0.125)
+    _, got = get_backend("cpu_sdpa").forward_with_scores(q, k, v, k_cache, v_cache, meta, scale=0.125, softcap=0.0,
+                                                          sliding_window=-1, rows=rows)
+    want = recompute_decode_mass(q, k_cache, meta, rows, scale=0.125)
     assert sorted(got) == rows
     for b in rows:
         assert got[b].shape == (3, case.seq_lens[b])

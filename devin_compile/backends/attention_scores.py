@@ -4,16 +4,15 @@ For one sequence and one layer, ``attention_mass`` is ``[Hkv, L]``: the softmax 
 step's queries put on each of the ``L`` cached slots, summed over the query tokens of the
 step and over the ``G`` query heads that share a KV head (so each row sums to
 ``G · q_len``). The torch reference returns it as a side output of its attention; for
-backends that cannot (CPU SDPA, FlashAttention), :func:`recompute_decode_mass` recomputes it
-from ``q`` and the cache (on CPU with the C decode kernel's mass output, one call per layer),
-and KV pruning calls it only on evaluation steps.
+backends that cannot (FlashAttention), :func:`recompute_decode_mass` recomputes it from ``q``
+and the cache, and KV pruning calls it only on evaluation steps. (CPU SDPA gives it as a side
+output of its C decode kernel.)
 """
 from __future__ import annotations
 
 import torch
 
 from ..runtime.context import AttentionMetadata
-from . import cpu_paged_decode
 from .kv_write import gather_sequence
 
 
@@ -36,20 +35,6 @@ def _keys(k_cache: torch.Tensor, meta: AttentionMetadata, b: int, L: int) -> tor
     return gather_sequence(k_cache, meta.block_tables[b], L)
 
 
-def _mass_from_kernel(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, rows: list[int],
-                      scale: float) -> dict[int, torch.Tensor]:
-    """The C decode kernel's mass side output for ``rows`` (one call for all of them). It
-    reads the keys as values too: the attention output is thrown away."""
-    idx = torch.tensor(rows, dtype=torch.long, device=q.device)
-    lens_host = [meta.seq_lens_host[b] for b in rows]
-    mass = torch.empty((len(rows), k_cache.shape[2], max(max(lens_host), 1)), dtype=torch.float32, device=q.device)
-    out = q.new_empty((q.shape[0], q.shape[1], k_cache.shape[-1]))
-    cpu_paged_decode.decode_attention(q, k_cache, k_cache, meta.query_start_loc.index_select(0, idx).long(),
-                                      meta.block_tables.index_select(0, idx).contiguous(),
-                                      meta.seq_lens.index_select(0, idx).contiguous(), scale, out, mass)
-    return {b: mass[i, :, :n] for i, (b, n) in enumerate(zip(rows, lens_host))}
-
-
 def recompute_decode_mass(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, rows, *,
                           scale: float, softcap: float = 0.0) -> dict[int, torch.Tensor]:
     """Attention mass [Hkv, seq_len] of decode row ``b`` (one query) for each ``b`` in ``rows``.
@@ -57,10 +42,6 @@ def recompute_decode_mass(q: torch.Tensor, k_cache: torch.Tensor, meta: Attentio
     q: [T, Hq, D] with sequence b's query at ``query_start_loc[b]``; the cache already holds
     this step's keys. Same math as the torch reference (float32, causal by slot).
     """
-    rows = list(rows)
-    if (softcap <= 0 and rows and q.device.type == "cpu" and cpu_paged_decode.load() is not None
-            and cpu_paged_decode.supports(q, k_cache, k_cache)):
-        return _mass_from_kernel(q, k_cache, meta, rows, scale)
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k_cache.shape[2]
     G = Hq // Hkv

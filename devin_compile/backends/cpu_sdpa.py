@@ -97,12 +97,9 @@ def _kernel_plan(meta: AttentionMetadata, rows: list[int], device: torch.device)
     if len(rows) == meta.num_seqs:  # pure decode: sequence b is token row b
         plan = (torch.arange(len(rows), device=device), meta.block_tables.contiguous(), meta.seq_lens.contiguous())
     else:
-        qstart = [0]
-        for n in meta.query_lens_host:
-            qstart.append(qstart[-1] + n)
         idx = torch.tensor(rows, dtype=torch.long, device=device)
-        plan = (torch.tensor([qstart[b] for b in rows], dtype=torch.long, device=device),
-                meta.block_tables.index_select(0, idx).contiguous(), meta.seq_lens.index_select(0, idx).contiguous())
+        plan = (meta.query_start_loc.index_select(0, idx).long(), meta.block_tables.index_select(0, idx).contiguous(),
+                meta.seq_lens.index_select(0, idx).contiguous())
     real = sum(meta.seq_lens_host[b] for b in rows)
     plan = (*plan, cpu_paged_decode.chunk_for(real))
     meta.scratch["cpu_decode_kernel"] = plan
@@ -208,7 +205,6 @@ class CpuSdpaBackend:
             out[start:end] = o.transpose(0, 1)
             start = end
         return out
-
 
     def forward_with_scores(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, rows):
         """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]}): from
