@@ -108,6 +108,51 @@ def test_cpu_kernel_matches_reference(n, k, g, m, dtype):
     _check_kernel("cpu", n, k, g, m, dtype)
 
 
+HAVE_C_INT4 = kernels.cpu_int4_linear.available()
+
+
+@pytest.mark.skipif(not HAVE_C_INT4, reason="no C compiler: the cpu_c int4 kernel is not built")
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 150), k=st.integers(2, 300), g=st.sampled_from(fmt.SUPPORTED_GROUP_SIZES),
+       m=st.integers(1, 11), dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
+       seed=st.integers(0, 5))
+def test_c_int4_kernel_matches_fp32_dequantized_matmul(n, k, g, m, dtype, seed):
+    """The C kernel keeps float32 scales and minimums, so its oracle is the exact fp32
+    dequantize-then-matmul (the reference rounds scales to the activation dtype). Its vector
+    path (tiles of 4, 2 and 1 rows of x; short last groups; odd group counts at g=32) and its
+    portable path (machines without AVX2) are both checked."""
+    from devin_compile.backends import cpu_int4_linear as c4
+
+    q, s, mn = _logical(n, k, g, seed)
+    qw, sc = kernels.prepare("cpu_c", q, s, mn, g, dtype, torch.device("cpu"))
+    assert torch.equal(c4.unpack(qw, k), q)  # the lane layout round-trips
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    plain = x.float() @ fmt.dequantize(q, s, mn, g).t()
+    tol = (1e-5 if dtype == torch.float32 else 1e-2) * (plain.abs().max().item() + 1)
+    for out in (torch.ops.devin.int4_linear(x, qw, sc, g, n, "cpu_c"), c4.int4_mm(x, qw, sc, g, n, scalar=True)):
+        assert out.shape == (m, n) and out.dtype == dtype
+        assert (out.float() - plain).abs().max().item() <= tol
+    # leading dims and a non-contiguous x take the same path
+    x3 = torch.randn(2, m, 2 * k).to(dtype)[..., ::2]
+    y3 = torch.ops.devin.int4_linear(x3, qw, sc, g, n, "cpu_c")
+    assert y3.shape == (2, m, n)
+    assert (y3.float() - x3.float() @ fmt.dequantize(q, s, mn, g).t()).abs().max().item() <= \
+        (1e-5 if dtype == torch.float32 else 1e-2) * (y3.float().abs().max().item() + 1)
+
+
+@pytest.mark.skipif(not HAVE_C_INT4, reason="no C compiler: the cpu_c int4 kernel is not built")
+def test_c_int4_kernel_empty_and_reference_hook():
+    from devin_compile.ops import int4_linear
+
+    q, s, mn = _logical(64, 128, 64)
+    qw, sc = kernels.prepare("cpu_c", q, s, mn, 64, torch.float32, torch.device("cpu"))
+    assert torch.ops.devin.int4_linear(torch.randn(0, 128), qw, sc, 64, 64, "cpu_c").shape == (0, 64)
+    w = fmt.dequantize(q, s, mn, 64)
+    ops = int4_linear.quantize_weight(w, 64, "cpu_c")
+    x = torch.randn(3, 128)
+    assert (torch.ops.devin.int4_linear(x, *ops) - int4_linear.reference_int4_linear(x, ops)).abs().max() < 1e-4
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 90), k=st.integers(2, 200), g=st.sampled_from(fmt.SUPPORTED_GROUP_SIZES),
@@ -398,6 +443,6 @@ def test_quantize_weight_hooks_used_by_gpu_check():
     w = torch.randn(192, 576).bfloat16()
     x = torch.randn(8, 576).bfloat16()
     ops = int4_linear.quantize_weight(w, group_size=64)
-    assert ops[-1] == "cpu"
+    assert ops[-1] == kernels.default_cpu_kernel()
     out = torch.ops.devin.int4_linear(x, *ops)
     assert (out.float() - int4_linear.reference_int4_linear(x, ops).float()).abs().max() < 5e-2

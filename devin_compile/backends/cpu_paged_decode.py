@@ -7,13 +7,9 @@ before this one) did not vectorise its indirect loads. Measured on this 2-core A
 pool, 24 sequences of 300–600 cached tokens, SmolLM2's 9 query / 3 KV heads of 64, one layer,
 cache-warm): gather + SDPA 7.7–14 ms, the Inductor kernel 2.7 ms, this kernel 0.7 ms.
 
-The source has no torch headers, so the system C compiler (``$CC``, else ``cc``) builds it in
-about a second, with ``-O3 -march=native -fopenmp``; the shared object is cached under
-``~/.cache/devin_compile/kernels`` (``$DEVIN_COMPILE_CACHE``), keyed by a hash of the
-source, the flags, the compiler's version and this CPU's feature flags, and loaded with
-ctypes (which drops the GIL during the call). OpenMP resolves to the ``libgomp`` torch has
-already loaded, so the kernel shares torch's thread pool instead of starting a second one.
-Where no compiler works, :func:`load` returns None once and callers keep their torch path.
+Built, cached and loaded by :mod:`.c_build` (the system C compiler, ``-O3 -march=native
+-fopenmp``, ctypes); where no compiler works, :func:`load` returns None and callers keep
+their torch path.
 
 Contract of :func:`decode_attention`: ``q`` [T, Hq, D] (float32, bf16 or fp16, contiguous
 in its last dim), caches [blocks, block_size, Hkv, D] in q's dtype, ``rows`` int64 [n] the
@@ -25,29 +21,15 @@ arithmetic throughout.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from .c_build import CKernel
 
-SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
 CHUNK = 256  # most keys per task; fewer when the step has few keys, so every thread gets work
 MIN_CHUNK = 32
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_lib: ctypes.CDLL | None = None
-_tried = False
-_lock = threading.Lock()
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 _i = ctypes.c_int
@@ -61,72 +43,17 @@ _ARGTYPES = [_p, _i64, _i64, _p,  # q, strides, rows
              ctypes.c_float, _i, _i, _i]  # scale, dtype, threads, chunk
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.devin_paged_decode_attention.argtypes = _ARGTYPES
+    lib.devin_paged_decode_attention.restype = ctypes.c_int
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("DEVIN_COMPILE_CACHE")
-    return Path(root) / "kernels" if root else Path.home() / ".cache" / "devin_compile" / "kernels"
-
-
-def _build(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_paged_decode-{key}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(target.parent, os.W_OK):
-            raise PermissionError(target.parent)
-    except OSError:  # read-only home: build into the temp dir instead
-        target = Path(tempfile.gettempdir()) / "devin_compile_kernels" / target.name
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        p = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
-        if p.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {p.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+_KERNEL = CKernel("cpu_paged_decode.c", _setup)
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it the first time; None if it cannot be built here."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        try:
-            if cc is None:
-                raise RuntimeError("no C compiler found (set CC)")
-            lib = ctypes.CDLL(str(_build(cc)))
-            fn = lib.devin_paged_decode_attention
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
-            _lib = lib
-        except Exception as e:  # noqa: BLE001  (no compiler, unsupported flags, sandboxed filesystem)
-            log.warning("the C decode-attention kernel is unavailable (%s); using the torch path", e)
-            _lib = None
-        _tried = True
-        return _lib
+    return _KERNEL.load()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

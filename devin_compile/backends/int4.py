@@ -1,6 +1,6 @@
 """Kernels behind ``devin::int4_linear`` (see :mod:`devin_compile.quant.int4` for the format).
 
-Three kernels, named by the op's ``kernel`` argument:
+Four kernels, named by the op's ``kernel`` argument:
 
 - ``"reference"``: unpack, dequantize to fp32, one fp32 matmul, cast to x's dtype. The
   oracle of the tests; any device.
@@ -9,6 +9,9 @@ Three kernels, named by the op's ``kernel`` argument:
   tokens (1 token of SmolLM2's 30 layers: ~2 ms vs ~4 ms for oneDNN bf16 linears on this
   machine) and slow above ~4 tokens, where the bf16 GEMM uses the CPU's matrix units, and
   very slow for fp32 activations (no vectorised fp32 path: ~50x oneDNN fp32).
+- ``"cpu_c"``: devin-compile's own C kernel (:mod:`.cpu_int4_linear`): streams 4-bit weights
+  at a few rows for float32, bf16 and fp16 activations alike; the CPU default where a C
+  compiler is found.
 - ``"triton"``: a dequantize-GEMM (:mod:`.int4_triton`) that reads the stored nibble
   layout directly; CUDA, or CPU under ``TRITON_INTERPRET=1`` (tests).
 
@@ -23,8 +26,9 @@ import os
 import torch
 
 from ..quant import int4 as fmt
+from . import cpu_int4_linear
 
-KERNELS = ("reference", "cpu", "triton")
+KERNELS = ("reference", "cpu", "cpu_c", "triton")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -37,9 +41,15 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def cpu_kernel_fast(dtype: torch.dtype) -> bool:
-    """The CPU int4 kernel only beats dense linears for half-precision activations."""
-    return dtype in (torch.bfloat16, torch.float16)
+def cpu_kernel_fast(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether CPU int4 ``kernel`` beats dense linears at a few tokens for ``dtype`` activations:
+    aten's only for half precision, the C kernel for all three."""
+    return kernel == "cpu_c" or dtype in (torch.bfloat16, torch.float16)
+
+
+def default_cpu_kernel() -> str:
+    """"cpu_c" where the C kernel builds, else aten's "cpu"."""
+    return "cpu_c" if cpu_int4_linear.available() else "cpu"
 
 
 def prepare(kernel: str, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, group_size: int,
@@ -48,6 +58,9 @@ def prepare(kernel: str, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tenso
     if kernel == "cpu":
         packed, sz = fmt.pack_for_cpu(q, scale, minv, group_size, dtype)
         return packed.to(device), sz.to(device)
+    if kernel == "cpu_c":
+        qw, scales = cpu_int4_linear.pack(q, scale, minv, group_size)
+        return qw.to(device), scales.to(device)
     if kernel in ("reference", "triton"):
         kp = fmt.padded_k(q.shape[1], group_size)
         qp = torch.nn.functional.pad(q, (0, kp - q.shape[1]))
@@ -95,12 +108,15 @@ def triton_int4_mm(x2: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, gr
     return y
 
 
-_RUN = {"reference": reference_int4_mm, "cpu": cpu_int4_mm, "triton": triton_int4_mm}
+_RUN = {"reference": reference_int4_mm, "cpu": cpu_int4_mm, "cpu_c": cpu_int4_linear.int4_mm, "triton": triton_int4_mm}
 
 
 def run(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, out_features: int,
         kernel: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x[..., K] @ dequant(W)ᵀ (+ bias)`` → [..., N] with ``kernel``."""
+    if kernel == "cpu_c":  # any leading shape, no reshapes: the per-step hot path at batch-1 decode
+        y = cpu_int4_linear.int4_mm(x, qweight, scales_zeros, group_size, out_features)
+        return y if bias is None else y + bias
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     y = _RUN[kernel](x2, qweight, scales_zeros, group_size, out_features)

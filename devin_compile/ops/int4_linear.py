@@ -7,7 +7,7 @@ Schema::
                        int max_int4_tokens=-1, str dense_kernel="linear") -> Tensor
 
 ``x`` [..., K] → [..., out_features] in x's dtype. ``qweight``/``scales_zeros`` are in the
-layout of ``kernel`` (``"reference" | "cpu" | "triton"``, see
+layout of ``kernel`` (``"reference" | "cpu" | "cpu_c" | "triton"``, see
 :mod:`devin_compile.backends.int4`; the format contract is in :mod:`devin_compile.quant.int4`).
 
 Kernel choice by the number of tokens in the step: when ``dense`` is given (the weight
@@ -56,11 +56,13 @@ def _(x, qweight, scales_zeros, group_size, out_features, kernel, bias=None, den
 def quantize_weight(w: torch.Tensor, group_size: int = 64, kernel: str | None = None) -> tuple:
     """RTN-quantize a dense [N, K] weight into the op's operands ``(qweight, scales_zeros,
     group_size, out_features, kernel)`` for ``w``'s device (``torch.ops.devin.int4_linear(x, *ops)``);
-    ``kernel`` defaults to "cpu" on CPU and "triton" (else "reference") elsewhere."""
+    ``kernel`` defaults to "cpu_c" on CPU ("cpu" without a C compiler) and "triton" (else
+    "reference") elsewhere."""
     from ..quant import int4 as fmt
 
     if kernel is None:
-        kernel = "cpu" if w.device.type == "cpu" else "triton" if kernels.triton_available(w.device) else "reference"
+        kernel = (kernels.default_cpu_kernel() if w.device.type == "cpu" else "triton"
+                  if kernels.triton_available(w.device) else "reference")
     q, s, m = fmt.rtn_quantize(w.detach().float().cpu(), group_size)
     qw, sz = kernels.prepare(kernel, q, s, m, group_size, w.dtype, w.device)
     return qw, sz, group_size, w.shape[0], kernel
@@ -75,4 +77,7 @@ def reference_int4_linear(x: torch.Tensor, operands: tuple) -> torch.Tensor:
         kp = sz.shape[0] * group_size
         qw = fmt.pack_nibbles(fmt.unpack_cpu(qw, qw.shape[0], kp))
         sz = sz[:, :n]
+    elif kernel == "cpu_c":
+        qw = fmt.pack_nibbles(kernels.cpu_int4_linear.unpack(qw, sz.shape[1] * group_size))
+        sz = fmt.scales_zeros(sz[..., 0], sz[..., 1], torch.float32)  # the kernel keeps fp32 scales
     return kernels.run(x, qw, sz, group_size, n, "reference")

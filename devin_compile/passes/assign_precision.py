@@ -43,12 +43,24 @@ from ..backends import int4 as kernels
 from ..graph_utils import add_call, is_call
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from ..quant import int4 as fmt
-from ..quant.quantize import DEFAULT_MAX_INT4_TOKENS, MAX_INT4_TOKENS_UPCAST, QuantConfig, QuantResult
+from ..quant.quantize import (C_MAX_INT4_TOKENS, DEFAULT_MAX_INT4_TOKENS, MAX_INT4_TOKENS_UPCAST, QuantConfig,
+                              QuantResult)
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _fake_like, _param
 from .prepack_linear import prepack_supported
 
 aten = torch.ops.aten
+
+
+def max_int4_tokens(kernel: str, dtype: torch.dtype) -> int:
+    """Steps of more tokens than this use the dense copy: the measured crossover of CPU int4
+    ``kernel`` against the dense path this CPU takes for ``dtype`` (see quant/quantize.py)."""
+    if kernel == "cpu_c":
+        dense = "onednn" if prepack_supported(dtype) else "upcast"
+        return C_MAX_INT4_TOKENS[(dense, "fp32" if dtype == torch.float32 else "half")]
+    if not kernels.cpu_kernel_fast(kernel, dtype):
+        return 0  # aten's kernel has no fast fp32 path (~50x oneDNN): the dense copy serves every step
+    return DEFAULT_MAX_INT4_TOKENS if prepack_supported(dtype) else MAX_INT4_TOKENS_UPCAST
 
 
 def hf_name(target: str) -> str:
@@ -138,20 +150,20 @@ class AssignPrecision(Pass):
         cfg = self.qconfig
         kernel = cfg.kernel
         if kernel == "auto":
-            kernel = "cpu" if device.type == "cpu" else "triton" if kernels.triton_available(device) else "reference"
+            kernel = (kernels.default_cpu_kernel() if device.type == "cpu" else "triton"
+                      if kernels.triton_available(device) else "reference")
         if kernel == "triton" and not kernels.triton_available(device):
             raise ValueError(f"int4 kernel 'triton' is not available on {device} (needs triton; on CPU only "
                              "under TRITON_INTERPRET=1)")
-        if kernel == "cpu" and device.type != "cpu":
-            raise ValueError(f"int4 kernel 'cpu' runs on CPU tensors, the model is on {device}")
-        dense = cfg.dense_prefill and kernel == "cpu"
+        if kernel in ("cpu", "cpu_c") and device.type != "cpu":
+            raise ValueError(f"int4 kernel {kernel!r} runs on CPU tensors, the model is on {device}")
+        if kernel == "cpu_c" and not kernels.cpu_int4_linear.available():
+            raise ValueError("int4 kernel 'cpu_c' needs a working C compiler (set CC); use kernel='cpu' (aten's)")
+        dense = cfg.dense_prefill and kernel in ("cpu", "cpu_c")
         if cfg.max_int4_tokens is not None:
             limit = cfg.max_int4_tokens
-        elif kernel == "cpu":
-            # fp32 activations: the CPU int4 kernel has no fast fp32 path (~50x oneDNN), so every
-            # step uses the dense dequantized copy (quality as INT4, speed and memory as fp32).
-            limit = (0 if not kernels.cpu_kernel_fast(dtype) else DEFAULT_MAX_INT4_TOKENS
-                     if prepack_supported(dtype) else MAX_INT4_TOKENS_UPCAST)
+        elif dense:
+            limit = max_int4_tokens(kernel, dtype)
         else:
             limit = -1
         return kernel, (limit if dense else -1), dense

@@ -23,7 +23,7 @@ from .calibration import CalibrationStats, decoder_linears, model_fingerprint
 
 METHODS = ("rtn", "awq", "gptq")
 TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep", "max_kl")
-INT4_KERNELS = ("auto", "cpu", "reference", "triton")
+INT4_KERNELS = ("auto", "cpu", "cpu_c", "reference", "triton")
 # Keys that only steer how an already quantized model is compiled; the rest fix the weights.
 RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill")
 # Measured crossover (bench/quant.py --parts kernels: SmolLM2's 120 decoder linears, bf16,
@@ -35,6 +35,10 @@ DEFAULT_MAX_INT4_TOKENS = 8
 # as float32 GEMMs (ops/upcast_linear.py): int4 9.6 vs 14.6 ms at 1 token, 44.6 vs 78.4 ms at
 # 16, 91 vs 89 ms at 32.
 MAX_INT4_TOKENS_UPCAST = 24
+# The C kernel ("cpu_c", backends/cpu_int4_linear.py), keyed by (dense path, activations):
+# "onednn" = oneDNN prepacked GEMMs (fp32 everywhere; bf16/fp16 where oneDNN has them natively),
+# "upcast" = float32 GEMMs over a half-precision copy. Measured on this AVX2 CPU (see the note).
+C_MAX_INT4_TOKENS = {("onednn", "fp32"): 8, ("upcast", "half"): 24, ("onednn", "half"): 8}
 
 
 def parse_target(value: Any) -> dict:
@@ -95,7 +99,7 @@ class QuantConfig:
     calib_chunks: int = 16
     calib_len: int = 512
     data: str | None = None  # calibration text (default: ../shared/data/tinyshakespeare.txt)
-    kernel: str = "auto"  # auto: "cpu" on CPU, "triton" on CUDA
+    kernel: str = "auto"  # auto: "cpu_c" on CPU (aten's "cpu" without a C compiler), "triton" on CUDA
     max_int4_tokens: int | None = None  # steps above this many tokens use the dense copy
     dense_prefill: bool = True  # keep a dense (dequantized) copy for steps above max_int4_tokens
 

@@ -1,0 +1,103 @@
+"""A C kernel for weight-only INT4 linears on CPU at a few rows (``cpu_int4_linear.c``).
+
+At batch-1 decode a linear is a matrix-vector product whose time is reading its weight, so
+4-bit weights can be ~4x faster than bf16 only if the kernel streams them at memory speed.
+``aten._weight_int4pack_mm_for_cpu`` does not on this 2-core AVX2 CPU (SmolLM2's 120 decoder
+linears at 1 token: ~9 ms, about 6 GB/s) and has no vectorised fp32-activation path; this
+kernel turns 8 nibbles into 8 floats with an AND and a convert (no shuffles), scales per group
+and reuses each unpacked weight for up to 4 rows of x (bench/quant.py ``--parts kernels`` has the figures).
+
+Layout ("cpu_c" kernel of ``devin::int4_linear``; :func:`pack` builds it from the logical
+format of :mod:`devin_compile.quant.int4`):
+
+- ``qweight`` uint8 ``[N, Kq / 2]``, ``Kq`` = K padded to whole groups, then to a multiple of
+  64: every 64 columns of a row are eight 32-bit lanes, lane ``i`` holding column ``8t + i`` in
+  bits ``4t .. 4t + 3`` (so masking a lane set with ``0xF << 4t`` gives 8 consecutive columns
+  without a shuffle; the C file says why that matters);
+- ``scales`` float32 ``[N, G, 2]``: ``(scale, minv)``, so ``w = q * scale + minv``.
+
+Group sizes 32, 64 and 128. Activations may be float32, bf16 or
+fp16; the output has x's dtype. Float32 arithmetic throughout.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..quant import int4 as fmt
+from .c_build import CKernel
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_i = ctypes.c_int
+_ARGS = [_p, _i64, _i, _i, _i, _p, _p, _i, _i, _i, _p, _i64]  # x .. out_stride (shared by both entry points)
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.devin_int4_linear.argtypes = [*_ARGS, _i]
+    lib.devin_int4_linear.restype = ctypes.c_int
+    lib.devin_int4_linear_scalar.argtypes = _ARGS
+    lib.devin_int4_linear_scalar.restype = ctypes.c_int
+
+
+_KERNEL = CKernel("cpu_int4_linear.c", _setup)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it the first time; None if it cannot be built here."""
+    return _KERNEL.load()
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _units(k: int, group_size: int) -> int:
+    return -(-fmt.padded_k(k, group_size) // 64)
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical int4 weight (q uint8 [N, K], scale/minv [N, G]) → (qweight, scales) of this kernel."""
+    if group_size not in fmt.SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"the cpu_c int4 kernel takes group sizes {fmt.SUPPORTED_GROUP_SIZES}, got {group_size}")
+    n, k = q.shape
+    u = _units(k, group_size)
+    qp = torch.nn.functional.pad(q.to(torch.uint8), (0, 64 * u - k)).view(n, u, 4, 2, 8)  # [n, unit, t//2, t%2, lane]
+    lanes = qp[:, :, :, 0] | (qp[:, :, :, 1] << 4)  # [n, unit, byte of the lane, lane]
+    packed = lanes.permute(0, 1, 3, 2).reshape(n, 32 * u).contiguous()
+    return packed, torch.stack([scale.float(), minv.float()], dim=-1).contiguous()
+
+
+def unpack(qweight: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack`'s nibble layout → uint8 [N, k]."""
+    n, half = qweight.shape
+    lanes = qweight.view(n, half // 32, 8, 4).permute(0, 1, 3, 2)  # [n, unit, byte, lane]
+    q = torch.stack([lanes & 15, lanes >> 4], dim=3)  # [n, unit, byte, nibble, lane]
+    return q.reshape(n, half * 2)[:, :k]
+
+
+def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, n: int,
+            scalar: bool = False) -> torch.Tensor:
+    """``x [..., K] @ dequant(W)ᵀ`` → [..., n] in x's dtype. ``scalar``: the portable path only
+    (what machines without AVX2 run; tests compare the two). Called once per linear per step,
+    so it does no more Python work than it must."""
+    lib = _KERNEL._lib if _KERNEL._tried else load()
+    if lib is None:
+        raise RuntimeError("the C int4 kernel is unavailable on this machine (see the log); use kernel='cpu'")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    out = x.new_empty((*x.shape[:-1], n))
+    if scalar:
+        rc = lib.devin_int4_linear_scalar(x.data_ptr(), k, m, k, _DTYPES[x.dtype], qweight.data_ptr(),
+                                          scales.data_ptr(), n, scales.shape[1], group_size, out.data_ptr(), n)
+    else:
+        rc = lib.devin_int4_linear(x.data_ptr(), k, m, k, _DTYPES[x.dtype], qweight.data_ptr(), scales.data_ptr(),
+                                   n, scales.shape[1], group_size, out.data_ptr(), n, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the C int4 kernel rejected its arguments (code {rc}): x {tuple(x.shape)}, "
+                           f"qweight {tuple(qweight.shape)}, group size {group_size}")
+    return out
