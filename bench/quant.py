@@ -130,20 +130,30 @@ def speed(args, out: dict) -> None:
         path = tempfile.mkdtemp(prefix="devin_quant_speed_")
         artifact.save(res, path)
         del fp32
-    bf16 = devin_compile.optimize(model, tokenizer=tok)
-    int4 = devin_compile.optimize(model, tokenizer=tok, quantized=path)
-    rows = [time_hf_decode(model, ids, args.new_tokens, args.repeats),
-            time_devin_decode(bf16, ids, args.new_tokens, args.repeats, name="devin-compile bf16"),
-            time_devin_decode(int4, ids, args.new_tokens, args.repeats, name="devin-compile INT4 g64")]
+    # each devin-compile configuration in bf16 and INT4: the default (eager FX decode graph) and
+    # compile_decode=True (Inductor-compiled decode graph: far less per-op Python overhead at batch 1)
+    rows = [time_hf_decode(model, ids, args.new_tokens, args.repeats)]
+    notes = {}
+    for compiled in (False, True):
+        suffix = " compile_decode" if compiled else ""
+        bf16 = devin_compile.optimize(model, tokenizer=tok, compile_decode=compiled)
+        int4 = devin_compile.optimize(model, tokenizer=tok, quantized=path, compile_decode=compiled)
+        notes[f"int4_note{suffix.replace(' ', '_')}"] = int4.quant_note
+        rows.append(time_devin_decode(bf16, ids, args.new_tokens, args.repeats, name=f"devin bf16{suffix}"))
+        rows.append(time_devin_decode(int4, ids, args.new_tokens, args.repeats, name=f"devin INT4 g64{suffix}"))
+        del bf16, int4
     for r in rows:
         log(r.row())
     res = {r.name: {"decode_tok_s": r.decode_tok_s, "ttft_ms": r.ttft_s * 1e3} for r in rows}
     res["int4_vs_bf16"] = rows[2].decode_tok_s / rows[1].decode_tok_s
-    res["int4_vs_hf"] = rows[2].decode_tok_s / rows[0].decode_tok_s
-    res["int4_note"] = int4.quant_note
+    res["int4_vs_bf16_compile_decode"] = rows[4].decode_tok_s / rows[3].decode_tok_s
+    res["int4_compile_decode_vs_bf16_default"] = rows[4].decode_tok_s / rows[1].decode_tok_s
+    res["int4_vs_hf"] = max(rows[2].decode_tok_s, rows[4].decode_tok_s) / rows[0].decode_tok_s
+    res.update(notes)
     llama = shutil.which("llama-bench")
     res["llama.cpp"] = "not installed (llama-bench not on PATH)" if llama is None else _llama_bench(llama, args)
-    log(f"INT4 / bf16 decode: {res['int4_vs_bf16']:.2f}x; INT4 / HF eager: {res['int4_vs_hf']:.2f}x; "
+    log(f"INT4 / bf16 decode: {res['int4_vs_bf16']:.2f}x (default), {res['int4_vs_bf16_compile_decode']:.2f}x "
+        f"(both compile_decode); best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; "
         f"llama.cpp: {res['llama.cpp']}")
     out["speed"] = {"dtype": "bfloat16", "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
                     "repeats": args.repeats, **res}
@@ -169,43 +179,52 @@ def kernels(args, out: dict) -> None:
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused q/k/v, o, fused gate/up, down
     layers = 30
-    gen = torch.Generator().manual_seed(0)
-    int4_w, dense_w = [], []
-    # the dense path devin-compile itself takes for bf16 on this CPU: oneDNN prepacked weights
-    # where oneDNN has native bf16, else upcast_linear (fp32 GEMM from 8 rows, bf16 linear below)
-    packed = prepack_supported(torch.bfloat16)
-    dense_name = "bf16 oneDNN" if packed else "bf16 upcast_linear"
-    for _ in range(layers):
-        for n, k in shapes:
-            w = torch.randn(n, k, generator=gen) * 0.02
-            q, s, m = fmt.rtn_quantize(w, 64)
-            int4_w.append((k4.prepare("cpu", q, s, m, 64, torch.bfloat16, torch.device("cpu")), n, k))
-            dense_w.append((torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) if packed else w.bfloat16(),
-                            n, k))
-    rows = []
-    for m_tokens in (1, 2, 3, 4, 6, 8, 16, 32, 64):
-        xs = {k: torch.randn(m_tokens, k).bfloat16() for k in (576, 1536)}
+    c_kernel = k4.cpu_int4_linear.available()
+    out["kernels"] = {"what": "120 SmolLM2 decoder linears (30 layers, distinct weights), g64, ms per step"}
+    for dtype in (torch.bfloat16, torch.float32):
+        gen = torch.Generator().manual_seed(0)
+        # the dense path devin-compile itself takes on this CPU: oneDNN prepacked weights where
+        # oneDNN supports the dtype natively, else upcast_linear (fp32 GEMMs from 8 rows)
+        packed = prepack_supported(dtype)
+        dense_name = f"{str(dtype)[6:]} oneDNN" if packed else f"{str(dtype)[6:]} upcast_linear"
+        int4_kernels = (["cpu_c"] if c_kernel else []) + (["cpu"] if k4.cpu_kernel_fast("cpu", dtype) else [])
+        weights = {name: [] for name in int4_kernels}
+        dense_w = []
+        for _ in range(layers):
+            for n, k in shapes:
+                w = torch.randn(n, k, generator=gen) * 0.02
+                q, s, m = fmt.rtn_quantize(w, 64)
+                for name in int4_kernels:
+                    weights[name].append((k4.prepare(name, q, s, m, 64, dtype, torch.device("cpu")), n, k))
+                dense_w.append((torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 1) if packed else w.to(dtype),
+                                n, k))
+        rows = []
+        for m_tokens in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+            xs = {k: torch.randn(m_tokens, k).to(dtype) for k in (576, 1536)}
 
-        def run_int4():
-            for (qw, sz), n, k in int4_w:
-                k4.cpu_int4_mm(xs[k], qw, sz, 64, n)
+            def run_int4(name):
+                for (qw, sz), n, k in weights[name]:
+                    k4.run(xs[k], qw, sz, 64, n, name)
 
-        def run_dense():
-            for wp, n, k in dense_w:
-                if packed:
-                    torch.ops.mkldnn._linear_pointwise(xs[k], wp, None, "none", [], "")
-                else:
-                    upcast_linear(xs[k], wp)
+            def run_dense():
+                for wp, n, k in dense_w:
+                    if packed:
+                        torch.ops.mkldnn._linear_pointwise(xs[k], wp, None, "none", [], "")
+                    else:
+                        upcast_linear(xs[k], wp)
 
-        t_int4 = _median_ms(run_int4, args.repeats * 3)
-        t_dense = _median_ms(run_dense, args.repeats * 3)
-        rows.append({"tokens": m_tokens, "int4_ms": t_int4, "dense_ms": t_dense, "ratio": t_dense / t_int4})
-        log(f"{m_tokens:3d} tokens: int4 {t_int4:7.2f} ms   {dense_name} {t_dense:7.2f} ms   "
-            f"(int4 {'faster' if t_int4 < t_dense else 'slower'}, {t_dense / t_int4:.2f}x)")
-    faster = [r["tokens"] for r in rows if r["int4_ms"] < r["dense_ms"]]
-    out["kernels"] = {"what": "120 SmolLM2 decoder linears (30 layers, distinct weights), bf16, g64", "dense": dense_name,
-                      "rows": rows,
-                      "int4_faster_up_to_tokens": max(faster) if faster else 0}
+            row = {"tokens": m_tokens, "dense_ms": _median_ms(run_dense, args.repeats * 3)}
+            for name in int4_kernels:
+                row[f"{name}_ms"] = _median_ms(lambda: run_int4(name), args.repeats * 3)
+            rows.append(row)
+            log(f"{str(dtype)[6:]:8} {m_tokens:3d} tokens: " + "   ".join(
+                f"int4 {name} {row[f'{name}_ms']:7.2f} ms" for name in int4_kernels)
+                + f"   {dense_name} {row['dense_ms']:7.2f} ms")
+        res = {"dense": dense_name, "rows": rows}
+        for name in int4_kernels:
+            faster = [r["tokens"] for r in rows if r[f"{name}_ms"] < r["dense_ms"]]
+            res[f"{name}_faster_up_to_tokens"] = max(faster) if faster else 0
+        out["kernels"][str(dtype)[6:]] = res
 
 
 def _median_ms(fn, repeats: int) -> float:
