@@ -153,6 +153,34 @@ def test_c_int4_kernel_empty_and_reference_hook():
     assert (torch.ops.devin.int4_linear(x, *ops) - int4_linear.reference_int4_linear(x, ops)).abs().max() < 1e-4
 
 
+@pytest.mark.skipif(not HAVE_C_INT4, reason="no C compiler: the cpu_c int4 kernel is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_op_kernel_equals_python_kernel(dtype):
+    """The op's C++ CPU kernel (cpu_int4_op.cpp) serves plain cpu_c calls and hands the rest
+    (bias, steps above max_int4_tokens, other kernels) back to the Python kernel: the op's
+    result equals the Python kernel's in every case."""
+    from devin_compile.backends import cpu_int4_op
+    from devin_compile.ops.int4_linear import int4_linear as python_kernel
+
+    if not cpu_int4_op.load():
+        pytest.skip("no C++ compiler: the C++ op kernel is not built")
+    n, k, g = 96, 192, 64
+    q, s, mn = _logical(n, k, g)
+    qw, sc = kernels.prepare("cpu_c", q, s, mn, g, dtype, torch.device("cpu"))
+    dense = torch.randn(n, k).to(dtype)  # not the dequantized weight: tells the paths apart
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(2, 3, k).to(dtype)
+    cases = [(), (bias,), (None, dense, 2), (None, dense, 8), (None, dense, 2, "upcast")]
+    for extra in cases:
+        got = torch.ops.devin.int4_linear(x, qw, sc, g, n, "cpu_c", *extra)
+        assert torch.equal(got, python_kernel(x, qw, sc, g, n, "cpu_c", *extra)), extra
+    assert torch.equal(torch.ops.devin.int4_linear(x, qw, sc, g, n, "cpu_c", None, dense, 2),
+                       torch.nn.functional.linear(x, dense))  # 6 rows > 2: the dense copy
+    rq, rsz = kernels.prepare("reference", q, s, mn, g, dtype, torch.device("cpu"))
+    assert torch.equal(torch.ops.devin.int4_linear(x, rq, rsz, g, n, "reference"),
+                       python_kernel(x, rq, rsz, g, n, "reference"))
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 90), k=st.integers(2, 200), g=st.sampled_from(fmt.SUPPORTED_GROUP_SIZES),

@@ -47,13 +47,12 @@ def cache_dir() -> Path:
     return Path(root) / "kernels" if root else Path.home() / ".cache" / "devin_compile" / "kernels"
 
 
-def build(source: Path, cc: str) -> Path:
-    """The shared object of ``source``, compiled unless this exact build is cached."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [source.read_text(), *(h.read_text() for h in HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags(),
+def _cached_build(stem: str, key_parts: list[str], commands) -> Path:
+    """Run ``commands(out, workdir)`` (a list of argv lists writing the shared object ``out``)
+    unless a build with the same key is cached; returns the cached shared object."""
+    key = hashlib.sha256("\0".join([*key_parts, " ".join(FLAGS), _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    target = cache_dir() / f"{stem}-{key}.so"
     if target.exists():
         return target
     try:
@@ -65,18 +64,48 @@ def build(source: Path, cc: str) -> Path:
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        p = subprocess.run([cc, *FLAGS, f"-I{HERE}", "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
-                           timeout=120)
-        if p.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {p.stderr.strip()[-2000:]}")
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        tmp = os.path.join(work, target.name)
+        for cmd in commands(tmp, work):
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if p.returncode != 0:
+                raise RuntimeError(f"{cmd[0]} failed: {p.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return target
+
+
+def _version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
+def _texts(*paths: Path) -> list[str]:
+    return [p.read_text() for p in (*paths, *HEADERS)]
+
+
+def build(source: Path, cc: str) -> Path:
+    """The shared object of C ``source``, compiled unless this exact build is cached."""
+    return _cached_build(source.stem, [*_texts(source), _version(cc)],
+                         lambda out, work: [[cc, *FLAGS, f"-I{HERE}", "-o", out, str(source), "-lm"]])
+
+
+def build_torch_op(cpp: Path, c_source: Path, cc: str, cxx: str) -> Path:
+    """A shared object registering torch kernels from C++ ``cpp``, linked with C ``c_source``
+    (for ``torch.ops.load_library``). Keyed also by torch's version and C++ ABI."""
+    import torch
+    from torch.utils.cpp_extension import include_paths
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+    def commands(out: str, work: str) -> list[list[str]]:
+        obj = os.path.join(work, c_source.stem + ".o")
+        return [[cc, *[f for f in FLAGS if f != "-shared"], f"-I{HERE}", "-c", "-o", obj, str(c_source)],
+                [cxx, "-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", abi,
+                 *(f"-I{p}" for p in include_paths()), "-o", out, str(cpp), obj, f"-L{torch_lib}",
+                 "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]]
+
+    return _cached_build(cpp.stem, [*_texts(cpp, c_source), _version(cc), _version(cxx), torch.__version__, abi],
+                         commands)
 
 
 class CKernel:

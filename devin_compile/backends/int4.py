@@ -26,7 +26,7 @@ import os
 import torch
 
 from ..quant import int4 as fmt
-from . import cpu_int4_linear
+from . import cpu_int4_linear, cpu_int4_op
 
 KERNELS = ("reference", "cpu", "cpu_c", "triton")
 
@@ -59,6 +59,7 @@ def prepare(kernel: str, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tenso
         packed, sz = fmt.pack_for_cpu(q, scale, minv, group_size, dtype)
         return packed.to(device), sz.to(device)
     if kernel == "cpu_c":
+        cpu_int4_op.load()  # the op's C++ CPU kernel, for the per-step calls (falls back to Python)
         qw, scales = cpu_int4_linear.pack(q, scale, minv, group_size)
         return qw.to(device), scales.to(device)
     if kernel in ("reference", "triton"):
