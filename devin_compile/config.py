@@ -202,7 +202,8 @@ class OptimizeConfig:
     # then cached) rather than in the first step that needs them.
     warmup: bool = True
     # CPU: compile the decode graph ahead with Inductor, one callable per decode bucket
-    # (costs ~50 s per model in optimize(), slower than eager at batch 1; see passes/compile_decode.py).
+    # (costs ~45-80 s per model in optimize(); at batch 1 on a 2-core AVX2 CPU 1.4x faster than the eager
+    # decode graph in bf16, 1.6x with INT4, but 0.79x on an earlier CPU; see passes/compile_decode.py).
     compile_decode: bool = False
     # Modules to run on the CPU while the rest runs on the accelerator, e.g. ("embed_tokens", "lm_head").
     offload_layers: tuple[str, ...] = ()
