@@ -345,6 +345,34 @@ def test_c_decode_kernel_matches_reference(dtype: torch.dtype, head_dim: int, gr
 
 
 @c_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_kv_write_equals_torch_write(dtype) -> None:
+    """The C KV write (one call) puts rows where the torch path does: new K/V as strided views
+    of a fused projection, padded entries (slot -1) written nowhere; a slot outside the pool is
+    an error and writes nothing."""
+    from devin_compile.backends import cpu_paged_decode
+
+    gen = torch.Generator().manual_seed(0)
+    fused = torch.randn(5, 3 * 2 * 16, generator=gen).to(dtype)
+    k = fused[:, 32:64].view(5, 2, 16)  # strided: rows 96 apart
+    v = fused[:, 64:].view(5, 2, 16)
+    slots = torch.tensor([3, -1, 17, 0, 30], dtype=torch.int64)
+    caches = [torch.randn(4, 8, 2, 16, generator=gen).to(dtype) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    keep = slots >= 0
+    ref[0].view(-1, 2, 16).index_copy_(0, slots[keep], k[keep])
+    ref[1].view(-1, 2, 16).index_copy_(0, slots[keep], v[keep])
+    assert cpu_paged_decode.write_supported(k, v, *caches)
+    cpu_paged_decode.write_kv(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    before = [c.clone() for c in caches]
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_paged_decode.write_kv(k, v, caches[0], caches[1], torch.tensor([1, 2, 32, 3, 4]))
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+    assert not cpu_paged_decode.write_supported(k.float() if dtype != torch.float32 else k.double(), v, *caches)
+
+
+@c_kernel
 def test_c_decode_kernel_empty_rows_and_bad_arguments() -> None:
     """A row with no cached keys (a padded decode entry) comes out as zeros; a layout the
     kernel does not take is refused by ``supports`` before any call."""

@@ -323,3 +323,31 @@ int devin_paged_decode_attention(
     free(partial);
     return 0;
 }
+
+/* Write one step's new keys and values into the pool: token t goes to flat slot slots[t]
+ * (block slots[t] / block_size, offset slots[t] % block_size); slots < 0 (padded entries) are
+ * skipped. New rows and pool share the dtype (elem_size bytes per element), so this is a copy.
+ * Returns 0, or -1 for a slot past num_slots (nothing is written then). */
+int devin_paged_write_kv(const void *k_new, int64_t kn_row_stride, int64_t kn_head_stride, const void *v_new,
+                         int64_t vn_row_stride, int64_t vn_head_stride, const int64_t *slots, int n_tokens,
+                         void *k_cache, int64_t k_block_stride, int64_t k_slot_stride, int64_t k_head_stride,
+                         void *v_cache, int64_t v_block_stride, int64_t v_slot_stride, int64_t v_head_stride,
+                         int num_kv_heads, int head_dim, int v_head_dim, int block_size, int64_t num_slots,
+                         int elem_size) {
+    for (int t = 0; t < n_tokens; t++)
+        if (slots[t] >= num_slots) return -1;
+    for (int t = 0; t < n_tokens; t++) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        const int64_t blk = s / block_size, off = s % block_size;
+        for (int h = 0; h < num_kv_heads; h++) {
+            memcpy((char *)k_cache + (blk * k_block_stride + off * k_slot_stride + h * k_head_stride) * elem_size,
+                   (const char *)k_new + (t * kn_row_stride + h * kn_head_stride) * elem_size,
+                   (size_t)head_dim * elem_size);
+            memcpy((char *)v_cache + (blk * v_block_stride + off * v_slot_stride + h * v_head_stride) * elem_size,
+                   (const char *)v_new + (t * vn_row_stride + h * vn_head_stride) * elem_size,
+                   (size_t)v_head_dim * elem_size);
+        }
+    }
+    return 0;
+}

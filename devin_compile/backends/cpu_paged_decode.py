@@ -43,9 +43,16 @@ _ARGTYPES = [_p, _i64, _i64, _p,  # q, strides, rows
              ctypes.c_float, _i, _i, _i]  # scale, dtype, threads, chunk
 
 
+_WRITE_ARGTYPES = [_p, _i64, _i64, _p, _i64, _i64, _p, _i,  # new k, v and their strides; slots, tokens
+                   _p, _i64, _i64, _i64, _p, _i64, _i64, _i64,  # caches and strides
+                   _i, _i, _i, _i, _i64, _i]  # Hkv, D, Dv, block_size, slots in the pool, element size
+
+
 def _setup(lib: ctypes.CDLL) -> None:
     lib.devin_paged_decode_attention.argtypes = _ARGTYPES
     lib.devin_paged_decode_attention.restype = ctypes.c_int
+    lib.devin_paged_write_kv.argtypes = _WRITE_ARGTYPES
+    lib.devin_paged_write_kv.restype = ctypes.c_int
 
 
 _KERNEL = CKernel("cpu_paged_decode.c", _setup)
@@ -61,6 +68,31 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
             and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
             and q.shape[-1] <= 512 and v_cache.shape[-1] <= 512 and q.shape[1] // k_cache.shape[2] <= 32
             and q.shape[1] % k_cache.shape[2] == 0)
+
+
+def write_supported(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether :func:`write_kv` takes these: CPU, one dtype throughout, rows contiguous in the last dim."""
+    return (k.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.dim() == 3
+            and k.shape[1:] == k_cache.shape[2:] and v.shape[1:] == v_cache.shape[2:]
+            and k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Copy new rows k/v [T, Hkv, D] into the pools at flat ``slots`` (int64 [T]; -1: skip), in one
+    C call (the torch path, :func:`~devin_compile.backends.kv_write.write_kv`, makes four ops)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the C decode-attention kernel is unavailable on this machine (see the log)")
+    assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == k.shape[0] == v.shape[0]
+    rc = lib.devin_paged_write_kv(
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(), k.shape[0],
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.shape[2], k.shape[2], v.shape[2], k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1],
+        k.element_size())
+    if rc != 0:
+        raise RuntimeError(f"KV write: a slot is outside the pool of {k_cache.shape[0] * k_cache.shape[1]} slots")
 
 
 def chunk_for(total_keys: int, threads: int | None = None) -> int:

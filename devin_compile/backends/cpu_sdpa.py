@@ -119,7 +119,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: li
     cached tokens and 18x at 3000; several sequences run per length group: one gather,
     then fused SDPA in float32.
     """
-    if cpu_paged_decode.load() is not None and cpu_paged_decode.supports(q, k_cache, v_cache):
+    if _kernel_supported(q, k_cache, v_cache, meta):
         tok, tables, lens, chunk = _kernel_plan(meta, rows, q.device)
         if out is None:
             out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
@@ -161,6 +161,23 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: li
     return out
 
 
+def _write(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+    """This step's K/V into the pool: one C call where the kernel is built, else the torch path."""
+    if cpu_paged_decode.load() is not None and cpu_paged_decode.write_supported(k, v, k_cache, v_cache):
+        cpu_paged_decode.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        write_kv(k, v, k_cache, v_cache, meta)
+
+
+def _kernel_supported(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
+    """Whether the C decode kernel takes this step's tensors (the same for every layer: asked once)."""
+    ok = meta.scratch.get("cpu_decode_supported")
+    if ok is None:
+        ok = cpu_paged_decode.load() is not None and cpu_paged_decode.supports(q, k_cache, v_cache)
+        meta.scratch["cpu_decode_supported"] = ok
+    return ok
+
+
 class CpuSdpaBackend:
     name = "cpu_sdpa"
     priority = 10
@@ -180,7 +197,7 @@ class CpuSdpaBackend:
         cpu_paged_decode.load()
 
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
-        write_kv(k, v, k_cache, v_cache, meta)
+        _write(k, v, k_cache, v_cache, meta)
         decode_rows = [] if sliding_window > 0 else [b for b, n in enumerate(meta.query_lens_host) if n == 1]
         if decode_rows and len(decode_rows) == meta.num_seqs:
             return _decode(q, k_cache, v_cache, meta, scale, decode_rows)
@@ -216,7 +233,7 @@ class CpuSdpaBackend:
             return get_backend("torch_reference").forward_with_scores(
                 q, k, v, k_cache, v_cache, meta, scale=scale, softcap=softcap, sliding_window=sliding_window,
                 rows=rows)
-        write_kv(k, v, k_cache, v_cache, meta)
+        _write(k, v, k_cache, v_cache, meta)
         all_rows = list(range(meta.num_seqs))
         tok, tables, lens, chunk = _kernel_plan(meta, all_rows, q.device)
         mass = torch.empty((meta.num_seqs, k_cache.shape[2], max(meta.max_seq_len, 1)), dtype=torch.float32,
