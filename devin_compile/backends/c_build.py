@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -109,12 +108,12 @@ def build_torch_op(cpp: Path, c_source: Path, cc: str, cxx: str) -> Path:
 
 
 class CKernel:
-    """One C source, built and loaded once per process; ``setup(lib)`` declares its functions'
-    ctypes signatures."""
+    """One C source, built and loaded once per process; ``functions`` maps each exported
+    function to its ctypes argument types (every one returns an int status)."""
 
-    def __init__(self, source: str, setup: Callable[[ctypes.CDLL], None]) -> None:
+    def __init__(self, source: str, functions: dict[str, list]) -> None:
         self.source = HERE / source
-        self.setup = setup
+        self.functions = functions
         self._lib: ctypes.CDLL | None = None
         self._tried = False
         self._lock = threading.Lock()
@@ -131,7 +130,10 @@ class CKernel:
                 if cc is None:
                     raise RuntimeError("no C compiler found (set CC)")
                 lib = ctypes.CDLL(str(build(self.source, cc)))
-                self.setup(lib)
+                for name, argtypes in self.functions.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes = argtypes
+                    fn.restype = ctypes.c_int
                 self._lib = lib
             except Exception as e:  # noqa: BLE001  (no compiler, unsupported flags, sandboxed filesystem)
                 log.warning("the C kernel %s is unavailable (%s); using the torch path", self.source.name, e)

@@ -35,14 +35,7 @@ _i = ctypes.c_int
 _ARGS = [_p, _i64, _i, _i, _i, _p, _p, _i, _i, _i, _p, _i64]  # x .. out_stride (shared by both entry points)
 
 
-def _setup(lib: ctypes.CDLL) -> None:
-    lib.devin_int4_linear.argtypes = [*_ARGS, _i]
-    lib.devin_int4_linear.restype = ctypes.c_int
-    lib.devin_int4_linear_scalar.argtypes = _ARGS
-    lib.devin_int4_linear_scalar.restype = ctypes.c_int
-
-
-_KERNEL = CKernel("cpu_int4_linear.c", _setup)
+_KERNEL = CKernel("cpu_int4_linear.c", {"devin_int4_linear": [*_ARGS, _i], "devin_int4_linear_scalar": _ARGS})
 
 
 def load() -> ctypes.CDLL | None:

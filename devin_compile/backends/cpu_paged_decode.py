@@ -48,14 +48,8 @@ _WRITE_ARGTYPES = [_p, _i64, _i64, _p, _i64, _i64, _p, _i,  # new k, v and their
                    _i, _i, _i, _i, _i64, _i]  # Hkv, D, Dv, block_size, slots in the pool, element size
 
 
-def _setup(lib: ctypes.CDLL) -> None:
-    lib.devin_paged_decode_attention.argtypes = _ARGTYPES
-    lib.devin_paged_decode_attention.restype = ctypes.c_int
-    lib.devin_paged_write_kv.argtypes = _WRITE_ARGTYPES
-    lib.devin_paged_write_kv.restype = ctypes.c_int
-
-
-_KERNEL = CKernel("cpu_paged_decode.c", _setup)
+_KERNEL = CKernel("cpu_paged_decode.c", {"devin_paged_decode_attention": _ARGTYPES,
+                                         "devin_paged_write_kv": _WRITE_ARGTYPES})
 
 
 def load() -> ctypes.CDLL | None:
