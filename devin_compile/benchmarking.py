@@ -58,9 +58,7 @@ def time_devin_decode(opt, prompt_ids: list[int], new_tokens: int, repeats: int 
     opt.wait_until_ready()
     engine = opt.engine
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    # warm-up: one full-length run, excluded. (A 2-token warm-up left INT4's eager decode at half
-    # speed for the timed runs in bench/quant.py's process; the cause is not yet found.)
-    engine.generate([prompt_ids], params)
+    engine.generate([prompt_ids], params)  # warm-up: one full-length run, excluded
     rates, ttfts, tokens = [], [], []
     for _ in range(repeats):
         engine.reset_prefix_cache()  # every repeat prefills cold, like HF's

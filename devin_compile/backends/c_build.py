@@ -41,6 +41,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def find_compiler(env: str, *names: str) -> str | None:
+    """``$env`` if set, else the first of ``names`` on PATH (None: no such compiler here)."""
+    return os.environ.get(env) or next((path for name in names if (path := shutil.which(name))), None)
+
+
 def cache_dir() -> Path:
     root = os.environ.get("DEVIN_COMPILE_CACHE")
     return Path(root) / "kernels" if root else Path.home() / ".cache" / "devin_compile" / "kernels"
@@ -125,7 +130,7 @@ class CKernel:
         with self._lock:
             if self._tried:
                 return self._lib
-            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            cc = find_compiler("CC", "cc", "gcc")
             try:
                 if cc is None:
                     raise RuntimeError("no C compiler found (set CC)")

@@ -74,9 +74,9 @@ def unpack(qweight: torch.Tensor, k: int) -> torch.Tensor:
 def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, n: int,
             scalar: bool = False) -> torch.Tensor:
     """``x [..., K] @ dequant(W)ᵀ`` → [..., n] in x's dtype. ``scalar``: the portable path only
-    (what machines without AVX2 run; tests compare the two). Called once per linear per step,
-    so it does no more Python work than it must."""
-    lib = _KERNEL._lib if _KERNEL._tried else load()
+    (what machines without AVX2 run; tests compare the two). The op's C++ kernel
+    (:mod:`.cpu_int4_op`) serves the per-step calls where it is built; this is the Python path."""
+    lib = load()
     if lib is None:
         raise RuntimeError("the C int4 kernel is unavailable on this machine (see the log); use kernel='cpu'")
     if not x.is_contiguous():

@@ -14,8 +14,6 @@ serves every call.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 
 import torch
@@ -35,8 +33,8 @@ def load() -> bool:
     with _lock:
         if "loaded" in _state:
             return _state["loaded"]
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        cc = c_build.find_compiler("CC", "cc", "gcc")
+        cxx = c_build.find_compiler("CXX", "c++", "g++")
         try:
             if cc is None or cxx is None:
                 raise RuntimeError("no C/C++ compiler found (set CC and CXX)")

@@ -162,8 +162,13 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: li
 
 
 def _write(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-    """This step's K/V into the pool: one C call where the kernel is built, else the torch path."""
-    if cpu_paged_decode.load() is not None and cpu_paged_decode.write_supported(k, v, k_cache, v_cache):
+    """This step's K/V into the pool: one C call where the kernel takes them (asked once per step:
+    every layer's K/V have the same layout), else the torch path."""
+    ok = meta.scratch.get("cpu_write_supported")
+    if ok is None:
+        ok = cpu_paged_decode.load() is not None and cpu_paged_decode.write_supported(k, v, k_cache, v_cache)
+        meta.scratch["cpu_write_supported"] = ok
+    if ok:
         cpu_paged_decode.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         write_kv(k, v, k_cache, v_cache, meta)
@@ -227,7 +232,7 @@ class CpuSdpaBackend:
         """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]}): from
         the C kernel's side output in a pure-decode step, else from the torch reference."""
         decode = sliding_window <= 0 and softcap <= 0 and meta.is_pure_decode
-        if not (decode and cpu_paged_decode.load() is not None and cpu_paged_decode.supports(q, k_cache, v_cache)):
+        if not (decode and _kernel_supported(q, k_cache, v_cache, meta)):
             from .registry import get_backend
 
             return get_backend("torch_reference").forward_with_scores(

@@ -115,9 +115,6 @@ _RUN = {"reference": reference_int4_mm, "cpu": cpu_int4_mm, "cpu_c": cpu_int4_li
 def run(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, out_features: int,
         kernel: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x[..., K] @ dequant(W)ᵀ (+ bias)`` → [..., N] with ``kernel``."""
-    if kernel == "cpu_c":  # any leading shape, no reshapes: the per-step hot path at batch-1 decode
-        y = cpu_int4_linear.int4_mm(x, qweight, scales_zeros, group_size, out_features)
-        return y if bias is None else y + bias
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     y = _RUN[kernel](x2, qweight, scales_zeros, group_size, out_features)
