@@ -92,9 +92,9 @@ def build(source: Path, cc: str) -> Path:
                          lambda out, work: [[cc, *FLAGS, f"-I{HERE}", "-o", out, str(source), "-lm"]])
 
 
-def build_torch_op(cpp: Path, c_source: Path, cc: str, cxx: str) -> Path:
+def build_torch_op(cpp: Path, c_source: Path | None, cc: str, cxx: str) -> Path:
     """A shared object registering torch kernels from C++ ``cpp``, linked with C ``c_source``
-    (for ``torch.ops.load_library``). Keyed also by torch's version and C++ ABI."""
+    if given (for ``torch.ops.load_library``). Keyed also by torch's version and C++ ABI."""
     import torch
     from torch.utils.cpp_extension import include_paths
 
@@ -102,14 +102,53 @@ def build_torch_op(cpp: Path, c_source: Path, cc: str, cxx: str) -> Path:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 
     def commands(out: str, work: str) -> list[list[str]]:
-        obj = os.path.join(work, c_source.stem + ".o")
-        return [[cc, *[f for f in FLAGS if f != "-shared"], f"-I{HERE}", "-c", "-o", obj, str(c_source)],
+        obj = [os.path.join(work, c_source.stem + ".o")] if c_source else []
+        c_step = [[cc, *[f for f in FLAGS if f != "-shared"], f"-I{HERE}", "-c", "-o", *obj, str(c_source)]] if obj else []
+        return [*c_step,
                 [cxx, "-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", abi,
-                 *(f"-I{p}" for p in include_paths()), "-o", out, str(cpp), obj, f"-L{torch_lib}",
+                 *(f"-I{p}" for p in include_paths()), "-o", out, str(cpp), *obj, f"-L{torch_lib}",
                  "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]]
 
-    return _cached_build(cpp.stem, [*_texts(cpp, c_source), _version(cc), _version(cxx), torch.__version__, abi],
-                         commands)
+    sources = _texts(cpp, c_source) if c_source else _texts(cpp)
+    return _cached_build(cpp.stem, [*sources, _version(cc), _version(cxx), torch.__version__, abi], commands)
+
+
+class TorchOpKernel:
+    """A C++ file (next to this one) registering the CPU kernel of a ``devin::`` op, built with
+    the system C/C++ compilers (``$CC``/``$CXX``) and loaded once per process with
+    ``torch.ops.load_library``; ``c_source`` is a C kernel linked into it. The op's Python kernel
+    (CompositeExplicitAutograd) serves every call where this cannot be built (logged once)."""
+
+    def __init__(self, cpp: str, op_module: str, c_source: str | None = None) -> None:
+        self.cpp = HERE / cpp
+        self.op_module = op_module
+        self.c_source = HERE / c_source if c_source else None
+        self._loaded: bool | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> bool:
+        """Register the C++ kernel (building it the first time); False if it cannot be built here."""
+        if self._loaded is not None:
+            return self._loaded
+        with self._lock:
+            if self._loaded is not None:
+                return self._loaded
+            cc, cxx = find_compiler("CC", "cc", "gcc"), find_compiler("CXX", "c++", "g++")
+            try:
+                if cc is None or cxx is None:
+                    raise RuntimeError("no C/C++ compiler found (set CC and CXX)")
+                import importlib
+
+                importlib.import_module(self.op_module)  # the op must be defined before its kernels
+                import torch
+
+                torch.ops.load_library(str(build_torch_op(self.cpp, self.c_source, cc, cxx)))
+                self._loaded = True
+            except Exception as e:  # noqa: BLE001  (no compiler, headers missing, ABI mismatch)
+                log.warning("the C++ kernel %s is unavailable (%s); the op's Python kernel serves every call",
+                            self.cpp.name, e)
+                self._loaded = False
+            return self._loaded
 
 
 class CKernel:

@@ -2,3 +2,4 @@
 from . import int4_linear  # noqa: F401  (registers devin::int4_linear)
 from . import paged_attention  # noqa: F401  (registers devin::paged_attention)
 from . import kv_prune  # noqa: F401,E402  (registers devin::kv_prune)
+from . import rms_norm  # noqa: F401,E402  (registers devin::rms_norm)

@@ -1,23 +1,27 @@
-"""fuse_rms_norm: Hugging Face's RMSNorm op chain → one ``aten.rms_norm`` call.
+"""fuse_rms_norm: Hugging Face's RMSNorm op chain → one ``devin::rms_norm`` call.
 
 Pattern (Llama-style ``RMSNorm.forward``, as torch.export records it)::
 
     h = x.to(float32)                         # optional (absent when x is float32)
     y = w * (h * rsqrt(mean(h ** 2, -1, keepdim=True) + eps)).to(x.dtype)
 
-→ ``rms_norm(x, [D], w, eps)``, D = the normalized (last) dimension.
+→ ``devin::rms_norm(x, w, eps)`` over the last dimension (:mod:`~devin_compile.ops.rms_norm`:
+``aten.rms_norm``'s math; on CPU a C++ kernel, loaded here, does it in one pass).
 
-Eight dispatched ops become one, which on CPU runs the same math inside C++ with float32
-accumulation. Invariant: identical in float32; in bf16/fp16 the weight multiply happens
-before the final rounding instead of after it (one rounding instead of two). Norms of
-other shapes (Gemma's ``1 + w``, LayerNorm) do not match and are left alone.
+Eight dispatched ops become one, with float32 accumulation. Invariant: equal in float32 up to
+the order of the sum of squares; in bf16/fp16 the weight multiply happens before the final
+rounding instead of after it (one rounding instead of two). Norms of other shapes (Gemma's
+``1 + w``, LayerNorm) do not match and are left alone. ``compile_decode`` turns the op back
+into ``aten.rms_norm`` for Inductor.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx
 
+from ..backends import cpu_rms_norm_op
 from ..graph_utils import add_call, fake_value, is_call
+from ..ops import rms_norm as _rms_norm_op  # noqa: F401  (registers devin::rms_norm)
 from ..pipeline import Pass, PassContext, PassResult
 from .dead_code import eliminate_dead_code
 
@@ -71,7 +75,9 @@ class FuseRMSNorm(Pass):
             x, w, eps = m
             out_dtype = fake_value(node).dtype
             with graph.inserting_before(node):
-                y = add_call(graph, aten.rms_norm.default, (x, [fake_value(x).shape[-1]], w, eps), like=node)
+                if fake_value(x).device.type == "cpu":
+                    cpu_rms_norm_op.load()
+                y = add_call(graph, torch.ops.devin.rms_norm.default, (x, w, eps), like=node)
                 if fake_value(y).dtype != out_dtype:
                     y = add_call(graph, aten.to.dtype, (y, out_dtype), like=node)
             node.replace_all_uses_with(y)
