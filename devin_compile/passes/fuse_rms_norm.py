@@ -8,8 +8,8 @@ Pattern (Llama-style ``RMSNorm.forward``, as torch.export records it)::
 → ``devin::rms_norm(x, w, eps)`` over the last dimension (:mod:`~devin_compile.ops.rms_norm`:
 ``aten.rms_norm``'s math; on CPU a C++ kernel, loaded here, does it in one pass).
 
-Eight dispatched ops become one, with float32 accumulation. Invariant: equal in float32 up to
-the order of the sum of squares; in bf16/fp16 the weight multiply happens before the final
+Eight dispatched ops become one, with float32 math. Invariant: equal in float32 up to the
+rounding of the mean of squares (the CPU kernel sums it in double); in bf16/fp16 the weight multiply happens before the final
 rounding instead of after it (one rounding instead of two). Norms of other shapes (Gemma's
 ``1 + w``, LayerNorm) do not match and are left alone. ``compile_decode`` turns the op back
 into ``aten.rms_norm`` for Inductor.
