@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import logging
 import os
 import platform
@@ -137,8 +138,6 @@ class TorchOpKernel:
             try:
                 if cc is None or cxx is None:
                     raise RuntimeError("no C/C++ compiler found (set CC and CXX)")
-                import importlib
-
                 importlib.import_module(self.op_module)  # the op must be defined before its kernels
                 import torch
 

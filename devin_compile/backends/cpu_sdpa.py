@@ -164,11 +164,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, rows: li
 def _write(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
     """This step's K/V into the pool: one C call where the kernel takes them (asked once per step:
     every layer's K/V have the same layout), else the torch path."""
-    ok = meta.scratch.get("cpu_write_supported")
-    if ok is None:
-        ok = cpu_paged_decode.load() is not None and cpu_paged_decode.write_supported(k, v, k_cache, v_cache)
-        meta.scratch["cpu_write_supported"] = ok
-    if ok:
+    if _once_per_step(meta, "cpu_write_supported", lambda: cpu_paged_decode.write_supported(k, v, k_cache, v_cache)):
         cpu_paged_decode.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         write_kv(k, v, k_cache, v_cache, meta)
@@ -176,10 +172,15 @@ def _write(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
 
 def _kernel_supported(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
     """Whether the C decode kernel takes this step's tensors (the same for every layer: asked once)."""
-    ok = meta.scratch.get("cpu_decode_supported")
+    return _once_per_step(meta, "cpu_decode_supported", lambda: cpu_paged_decode.supports(q, k_cache, v_cache))
+
+
+def _once_per_step(meta: AttentionMetadata, key: str, supported) -> bool:
+    """The C library is built and ``supported()``, asked on the step's first layer and kept in
+    ``meta.scratch[key]`` for the others (every layer's tensors have the same layout)."""
+    ok = meta.scratch.get(key)
     if ok is None:
-        ok = cpu_paged_decode.load() is not None and cpu_paged_decode.supports(q, k_cache, v_cache)
-        meta.scratch["cpu_decode_supported"] = ok
+        ok = meta.scratch[key] = cpu_paged_decode.load() is not None and supported()
     return ok
 
 

@@ -17,15 +17,11 @@ it off; without a C compiler it is skipped (logged).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import sys
 import threading
 
 from .c_build import CKernel
-
-log = logging.getLogger(__name__)
-
 
 class _ArenaAllocator(ctypes.Structure):
     """``PyObjectArenaAllocator``: ctx, alloc(ctx, size), free(ctx, ptr, size)."""
