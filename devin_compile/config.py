@@ -193,6 +193,7 @@ class OptimizeConfig:
     dump_dir: str | None = None
     fuse_rms_norm: bool = True
     fuse_rotary: bool = True
+    fuse_attention_inputs: bool = True
     fuse_projections: bool = True
     prepack_linear: bool = True
     # CPU bf16/fp16 without native oneDNN kernels: linears of 8+ rows computed in float32.

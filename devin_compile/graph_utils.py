@@ -42,6 +42,15 @@ def node_shape(node: Any) -> tuple | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
+def has_shape(node: Any, shape) -> bool:
+    """Whether node's value is a tensor of exactly ``shape`` (symbolic sizes: provably equal)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    v = fake_value(node)
+    return (isinstance(v, torch.Tensor) and v.dim() == len(shape)
+            and all(statically_known_true(a == b) for a, b in zip(v.shape, shape)))
+
+
 def describe_value(v: Any) -> str:
     """'f32[1, s0, 576]'-style text for a fake value (or a tuple of them)."""
     if isinstance(v, torch.Tensor):

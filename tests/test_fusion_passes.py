@@ -1,17 +1,21 @@
 """The rewrite passes keep values: each pass alone vs the paged graph without it.
 
-fuse_rotary is bit-identical in float32; fuse_rms_norm is equal up to the order of the
+fuse_rotary and fuse_attention_inputs are bit-identical in float32; fuse_rms_norm is equal up to the order of the
 float32 sum of squares (bit-identical in bf16); fuse_projections is equal up to float32 GEMM
 rounding; prepack_linear is bit-identical in bf16. Each pass must also
 actually match (its count equals the number of sites in a 2-layer Llama).
 """
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from devin_compile.api import make_probe
 from devin_compile.capture import capture
-from devin_compile.passes import AttentionToPaged, FuseProjections, FuseRMSNorm, FuseRotary, PrepackLinear
+from devin_compile.passes import (AttentionToPaged, Cleanup, FuseAttentionInputs, FuseProjections, FuseRMSNorm,
+                                  FuseRotary, PrepackLinear)
 from devin_compile.pipeline import PassContext, PassManager, Program
 
 
@@ -70,6 +74,79 @@ def test_rms_norm_op_cpu_kernel_matches_aten(dtype):
         ref = torch.ops.aten.rms_norm.default(xi, [xi.shape[-1]], wi, 1e-6)
         out = torch.ops.devin.rms_norm(xi, wi, 1e-6)
         assert out.dtype == ref.dtype and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fuse_attention_inputs_bit_identical_fp32(fused):
+    """rotary_heads replaces every layer's q/k/v chain (after fuse_rotary and cleanup's CSE),
+    with or without fused projections, and the logits do not change by a bit; cleanup leaves
+    one reshape between attention and o_proj."""
+    model = _model(torch.float32)
+    before = [FuseRotary(), *([FuseProjections()] if fused else []), Cleanup()]
+    base, _ = _run(model, before)
+    out, report = _run(model, [*before, FuseAttentionInputs()])
+    assert report.records[-1].matches == 2
+    assert torch.equal(out, base)
+    gm, info = capture(model)
+    program = Program({"main": gm})
+    PassManager([AttentionToPaged(), *before, FuseAttentionInputs()]).run(program, PassContext(info, None))
+    nodes = list(program.graphs["main"].graph.nodes)
+    targets = [n.target for n in nodes]
+    assert torch.ops.aten.roll.default not in targets and torch.ops.aten.squeeze.dim not in targets
+    for attn in (n for n in nodes if n.target is torch.ops.devin.paged_attention.default):
+        assert all(a.args[0].target is torch.ops.devin.rotary_heads.default for a in attn.args[:3])
+        (user,) = attn.users
+        assert user.target is torch.ops.aten.reshape.default  # was unsqueeze, transpose, reshape, transpose, reshape
+
+
+def _rotary_inputs(t, kv_heads, group, d, dtype, fused, seed):
+    g = torch.Generator().manual_seed(seed)
+    widths = [kv_heads * group * d, kv_heads * d, kv_heads * d]
+    if fused:  # row-strided slices of one projection, as after fuse_projections
+        q, k, v = torch.randn(1, t, sum(widths), generator=g).to(dtype).split(widths, -1)
+    else:
+        q, k, v = (torch.randn(1, t, w, generator=g).to(dtype) for w in widths)
+    ang = torch.rand(t, 1, generator=g) * 50 * torch.rand(d // 2, generator=g)
+    emb = torch.cat([ang, ang], -1)
+    return q, k, v, emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(0, 20), kv_heads=st.integers(1, 3), group=st.integers(1, 3), d=st.sampled_from([2, 8, 64, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), fused=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_rotary_heads_cpu_kernel_matches_hf_rotary(t, kv_heads, group, d, dtype, fused, seed):
+    """devin::rotary_heads (C++ kernel where it builds) against HF's own apply_rotary_pos_emb on
+    [1, H, T, D] heads: bit-identical in every dtype, contiguous [T, H, D] outputs."""
+    from devin_compile.backends import cpu_rotary_op
+
+    cpu_rotary_op.load()
+    q, k, v, cos, sin = _rotary_inputs(t, kv_heads, group, d, dtype, fused, seed)
+    heads = lambda x: x.view(1, t, x.shape[-1] // d, d).transpose(1, 2)  # noqa: E731
+    q_ref, k_ref = apply_rotary_pos_emb(heads(q), heads(k), cos[0], sin[0])
+    signed = torch.cat([-sin[..., : d // 2], sin[..., d // 2:]], -1)  # fuse_rotary's sin'
+    out = torch.ops.devin.rotary_heads(q, k, v, cos, signed, d)
+    for o, ref in zip(out, (q_ref[0].transpose(0, 1), k_ref[0].transpose(0, 1), v.view(t, kv_heads, d))):
+        assert o.dtype == dtype and o.shape == ref.shape and o.is_contiguous()
+        assert torch.equal(o, ref)
+    assert out[2].data_ptr() != v.data_ptr() or t == 0  # outputs never alias the inputs
+
+
+def test_rotary_heads_unserved_calls_use_the_python_kernel():
+    """Calls the C++ kernel does not serve (mixed dtypes, a strided last dim) give the Python
+    kernel's result, and so does an empty step (the Python kernel handles T = 0 too)."""
+    from devin_compile.backends import cpu_rotary_op
+    from devin_compile.ops.rotary_heads import rotary_heads
+
+    if not cpu_rotary_op.load():
+        pytest.skip("no C++ compiler here")
+    q, k, v, cos, sin = _rotary_inputs(5, 2, 2, 8, torch.bfloat16, False, 0)
+    strided = torch.randn(1, 5, 32, 2, dtype=torch.bfloat16)[..., 0]
+    empty = [x[:, :0] for x in (q, k, v)] + [cos[:, :, :0], sin[:, :, :0]]
+    for args in [(q, k, v, cos.float(), sin.float()), (strided, k, v, cos, sin), empty]:
+        out = torch.ops.devin.rotary_heads(*args, 8)
+        for o, ref in zip(out, rotary_heads(*args, 8)):
+            assert o.dtype == ref.dtype and torch.equal(o, ref)
 
 
 def test_prepack_linear_bit_identical_bf16():

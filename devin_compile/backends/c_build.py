@@ -95,7 +95,8 @@ def build(source: Path, cc: str) -> Path:
 
 def build_torch_op(cpp: Path, c_source: Path | None, cc: str, cxx: str) -> Path:
     """A shared object registering torch kernels from C++ ``cpp``, linked with C ``c_source``
-    if given (for ``torch.ops.load_library``). Keyed also by torch's version and C++ ABI."""
+    if given (for ``torch.ops.load_library``). Keyed also by torch's version and C++ ABI.
+    ``-ffp-contract=off``: no fused multiply-adds, so a kernel can round like aten's ops do."""
     import torch
     from torch.utils.cpp_extension import include_paths
 
@@ -106,7 +107,7 @@ def build_torch_op(cpp: Path, c_source: Path | None, cc: str, cxx: str) -> Path:
         obj = [os.path.join(work, c_source.stem + ".o")] if c_source else []
         c_step = [[cc, *[f for f in FLAGS if f != "-shared"], f"-I{HERE}", "-c", "-o", *obj, str(c_source)]] if obj else []
         return [*c_step,
-                [cxx, "-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", abi,
+                [cxx, "-O2", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17", abi,
                  *(f"-I{p}" for p in include_paths()), "-o", out, str(cpp), *obj, f"-L{torch_lib}",
                  "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]]
 

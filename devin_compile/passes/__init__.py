@@ -5,6 +5,7 @@ from .assign_precision import AssignPrecision
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .compile_decode import CompileDecode
+from .fuse_attention_inputs import FuseAttentionInputs
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
@@ -38,11 +39,13 @@ def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=No
     if config.upcast_linear:
         passes.append(UpcastLinear())
     passes.append(Cleanup())
+    if config.fuse_rotary and config.fuse_attention_inputs:  # fuse_rotary's roll form, after cleanup's CSE
+        passes.append(FuseAttentionInputs())
     if config.compile_decode:
         passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs))
     return passes
 
 
-__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseProjections", "FuseRMSNorm", "FuseRotary",
+__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseProjections", "FuseRMSNorm", "FuseRotary",
            "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "UpcastLinear",
            "default_passes"]

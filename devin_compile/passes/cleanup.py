@@ -6,6 +6,11 @@ Patterns → replacements:
 - ``x.to(dtype)`` / ``_to_copy(x, dtype=…)`` where x already has that dtype → ``x``
 - ``dropout(x, p, train=False)`` and ``dropout(x, 0, …)`` → ``x``
 - ``transpose(transpose(x, a, b), a, b)`` → ``x``
+- ``reshape(x, s)`` / ``view(x, s)`` where x already has shape s → ``x``
+- ``reshape(f(x), s)`` where f is a chain of order-keeping views (view, reshape, squeeze,
+  unsqueeze) → ``reshape(x, s)``: e.g. attention's output
+  ``reshape(transpose(reshape(transpose(unsqueeze(o, 0), 1, 2), same), 1, 2), [1, T, -1])``
+  becomes ``reshape(o, [1, T, -1])`` (five dispatched ops → one)
 - ``get_attr`` of a nested parameter (``self.m.model.layers[3].mlp...``) → a flat attribute of
   the graph module (one lookup per read instead of one per path component)
 - the same pure op on the same inputs computed twice (e.g. HF's per-layer
@@ -18,11 +23,14 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import fake_value, is_call
+from ..graph_utils import fake_value, has_shape, is_call
 from ..pipeline import Pass, PassContext, PassResult, Program
 from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
+_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+# views that keep the elements' row-major order (so a reshape after them equals one of their input)
+_ORDER_KEEPING = (*_RESHAPES, aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default)
 
 
 def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -43,6 +51,8 @@ def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
         train = node.args[2] if len(node.args) > 2 else True
         if p == 0 or not train:
             return node.args[0]
+    if is_call(node, *_RESHAPES) and has_shape(node.args[0], tuple(fake_value(node).shape)):
+        return node.args[0]
     if is_call(node, aten.transpose.int) and is_call(node.args[0], aten.transpose.int):
         inner = node.args[0]
         dims = lambda n: sorted(d % fake_value(n).dim() for d in n.args[1:3])  # noqa: E731
@@ -73,12 +83,20 @@ def flatten_attributes(gm: torch.fx.GraphModule) -> int:
 
 
 def remove_noops(graph: torch.fx.Graph) -> int:
-    """Bypass every no-op node in ``graph`` (left for DCE to remove); returns how many."""
+    """Bypass every no-op node in ``graph`` (left for DCE to remove) and let reshapes skip the
+    order-keeping views before them; returns how many nodes changed."""
     count = 0
     for node in list(graph.nodes):
         src = _noop_source(node)
         if src is not None:
             node.replace_all_uses_with(src)
+            count += 1
+        elif is_call(node, *_RESHAPES) and is_call(node.args[0], *_ORDER_KEEPING) and fake_value(node) is not None:
+            base = node.args[0]
+            while is_call(base, *_ORDER_KEEPING):
+                base = base.args[0]
+            node.target = aten.reshape.default  # the base may not be viewable as the result
+            node.args = (base, *node.args[1:])
             count += 1
     return count
 
