@@ -15,7 +15,8 @@ reproduces SmolLM2's stored Q4_1 grid). Quantization wall time per method.
 
 Speed (bf16, batch 1, 64 new tokens after a 43-token prompt, median of ``--repeats``):
 decode tokens/s of devin-compile INT4 vs devin-compile bf16 vs HF eager bf16, and llama.cpp
-(``llama-bench``) when it is installed.
+(``llama-bench``) when it is installed. The bf16 and INT4 repeats of each configuration are
+interleaved, so their ratio is measured under the same machine load.
 
 Kernels: the per-step time of SmolLM2's 120 decoder linears (distinct weights per layer, so
 they stream from memory as in a real step) at 1..64 tokens, CPU int4 kernel vs oneDNN bf16:
@@ -39,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
 from devin_compile import quant  # noqa: E402
-from devin_compile.benchmarking import time_devin_decode, time_hf_decode  # noqa: E402
+from devin_compile.benchmarking import time_devin_decodes, time_hf_decode  # noqa: E402
 from devin_compile.models import load_model  # noqa: E402
 from devin_compile.quant import artifact  # noqa: E402
 from devin_compile.quant.calibration import calibration_and_eval_chunks, collect_stats, load_token_stream  # noqa: E402
@@ -139,8 +140,8 @@ def speed(args, out: dict) -> None:
         bf16 = devin_compile.optimize(model, tokenizer=tok, compile_decode=compiled)
         int4 = devin_compile.optimize(model, tokenizer=tok, quantized=path, compile_decode=compiled)
         notes[f"int4_note{suffix.replace(' ', '_')}"] = int4.quant_note
-        rows.append(time_devin_decode(bf16, ids, args.new_tokens, args.repeats, name=f"devin bf16{suffix}"))
-        rows.append(time_devin_decode(int4, ids, args.new_tokens, args.repeats, name=f"devin INT4 g64{suffix}"))
+        rows += time_devin_decodes({f"devin bf16{suffix}": bf16, f"devin INT4 g64{suffix}": int4}, ids,
+                                   args.new_tokens, args.repeats)  # repeats interleaved
         del bf16, int4
     for r in rows:
         log(r.row())

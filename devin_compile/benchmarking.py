@@ -58,18 +58,29 @@ def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int =
 def time_devin_decode(opt, prompt_ids: list[int], new_tokens: int, repeats: int = 3,
                       name: str = "devin-compile") -> DecodeTiming:
     """``OptimizedModel`` through its engine (greedy, exactly ``new_tokens``), batch 1."""
+    return time_devin_decodes({name: opt}, prompt_ids, new_tokens, repeats)[0]
+
+
+def time_devin_decodes(opts: dict, prompt_ids: list[int], new_tokens: int, repeats: int = 3) -> list[DecodeTiming]:
+    """Several ``OptimizedModel``s (``{name: opt}``) timed like :func:`time_devin_decode`, with
+    their repeats interleaved (A, B, A, B, ...) so a ratio between them is not skewed by the
+    machine's load drifting between one's repeats and the other's."""
     from .runtime.sampling import SamplingParams
 
-    opt.wait_until_ready()
-    engine = opt.engine
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate([prompt_ids], params)  # warm-up: one full-length run, excluded
-    rates, ttfts, tokens = [], [], []
+    for opt in opts.values():
+        opt.wait_until_ready()
+        opt.engine.generate([prompt_ids], params)  # warm-up: one full-length run, excluded
+    rates = {name: [] for name in opts}
+    ttfts = {name: [] for name in opts}
+    tokens = {}
     for _ in range(repeats):
-        engine.reset_prefix_cache()  # every repeat prefills cold, like HF's
-        out = engine.generate([prompt_ids], params)[0]
-        m = out.metrics
-        ttfts.append(m.ttft)
-        rates.append((new_tokens - 1) / max(m.finished - m.first_token, 1e-9))
-        tokens = out.output_ids
-    return DecodeTiming(name, statistics.median(rates), statistics.median(ttfts), tokens)
+        for name, opt in opts.items():
+            opt.engine.reset_prefix_cache()  # every repeat prefills cold, like HF's
+            out = opt.engine.generate([prompt_ids], params)[0]
+            m = out.metrics
+            ttfts[name].append(m.ttft)
+            rates[name].append((new_tokens - 1) / max(m.finished - m.first_token, 1e-9))
+            tokens[name] = out.output_ids
+    return [DecodeTiming(name, statistics.median(rates[name]), statistics.median(ttfts[name]), tokens[name])
+            for name in opts]
