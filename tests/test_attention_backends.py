@@ -331,17 +331,25 @@ def test_c_decode_kernel_matches_reference(dtype: torch.dtype, head_dim: int, gr
     """The C kernel (the cpu_sdpa decode path here) against the reference: lengths across
     several split-K chunks (CHUNK forced to 32, so 300 keys merge 10 partial softmaxes), block
     sizes that do not divide them, head sizes with and without the AVX2 code paths (16 and
-    40 take the scalar tails), every dtype, pure-decode and mixed steps."""
+    40 take the scalar tails), every dtype, pure-decode and mixed steps. Pure-decode steps take
+    the C++ layer op (write + attention in one call) where it builds, and the ctypes calls when
+    it is forced off."""
     from devin_compile.backends import cpu_paged_decode
 
     monkeypatch.setattr(cpu_paged_decode, "CHUNK", 32)
-    calls = []
-    real = cpu_paged_decode.decode_attention
-    monkeypatch.setattr(cpu_paged_decode, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     case = _decode_case([3, 300, 7, 290, 150, 2, 33], mixed=mixed, bs=16 if head_dim == 64 else 5, hkv=2,
                         group=group, head_dim=head_dim)
-    check_backend("cpu_sdpa", case, dtype)
-    assert calls, "the C kernel did not run"
+    paths = ["ctypes"] if mixed or not cpu_paged_decode.load_layer_op() else ["ctypes", "layer_op"]
+    for path in paths:
+        calls = []
+        with monkeypatch.context() as m:
+            if path == "ctypes":
+                m.setattr(cpu_paged_decode, "load_layer_op", lambda: False)
+            name = "decode_attention" if path == "ctypes" else "decode_layer"
+            real = getattr(cpu_paged_decode, name)
+            m.setattr(cpu_paged_decode, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+            check_backend("cpu_sdpa", case, dtype)
+        assert calls, f"the C kernel did not run ({path})"
 
 
 @c_kernel
@@ -358,6 +366,7 @@ def test_c_kv_write_equals_torch_write(dtype) -> None:
     v = fused[:, 64:].view(5, 2, 16)
     slots = torch.tensor([3, -1, 17, 0, 30], dtype=torch.int64)
     caches = [torch.randn(4, 8, 2, 16, generator=gen).to(dtype) for _ in range(2)]
+    fresh = [c.clone() for c in caches]
     ref = [c.clone() for c in caches]
     keep = slots >= 0
     ref[0].view(-1, 2, 16).index_copy_(0, slots[keep], k[keep])
@@ -370,6 +379,15 @@ def test_c_kv_write_equals_torch_write(dtype) -> None:
         cpu_paged_decode.write_kv(k, v, caches[0], caches[1], torch.tensor([1, 2, 32, 3, 4]))
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
     assert not cpu_paged_decode.write_supported(k.float() if dtype != torch.float32 else k.double(), v, *caches)
+    if cpu_paged_decode.load_layer_op():  # the C++ layer op writes the same way, and refuses the same slot
+        q = torch.randn(5, 4, 16, generator=gen).to(dtype)
+        rows, tables = torch.arange(5), torch.arange(20, dtype=torch.int32).view(5, 4) % 4
+        lens = torch.tensor([4, 1, 18, 1, 31], dtype=torch.int32)
+        layer = [c.clone() for c in fresh]
+        cpu_paged_decode.decode_layer(q, k, v, *layer, slots, rows, tables, lens, 0.25, 32)
+        assert torch.equal(layer[0], ref[0]) and torch.equal(layer[1], ref[1])
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            cpu_paged_decode.decode_layer(q, k, v, *layer, torch.tensor([1, 2, 32, 3, 4]), rows, tables, lens, 0.25, 32)
 
 
 @c_kernel

@@ -24,7 +24,7 @@ import ctypes
 
 import torch
 
-from .c_build import CKernel
+from .c_build import CKernel, TorchOpKernel
 
 CHUNK = 256  # most keys per task; fewer when the step has few keys, so every thread gets work
 MIN_CHUNK = 32
@@ -52,9 +52,25 @@ _KERNEL = CKernel("cpu_paged_decode.c", {"devin_paged_decode_attention": _ARGTYP
                                          "devin_paged_write_kv": _WRITE_ARGTYPES})
 
 
+# devin::cpu_decode_layer: write_kv + decode_attention of one pure-decode layer in one dispatched
+# call (cpu_decode_layer_op.cpp, these same C kernels linked in), for cpu_sdpa's per-step fast path
+_LAYER_OP = TorchOpKernel("cpu_decode_layer_op.cpp", __name__, c_source="cpu_paged_decode.c")
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it the first time; None if it cannot be built here."""
     return _KERNEL.load()
+
+
+def load_layer_op() -> bool:
+    """Register ``devin::cpu_decode_layer`` (building it the first time); False if it cannot be built."""
+    return _LAYER_OP.load()
+
+
+def decode_layer(q, k, v, k_cache, v_cache, slots, rows, tables, lens, scale: float, chunk: int) -> torch.Tensor:
+    """:func:`write_kv` then :func:`decode_attention` into a new [T, Hq, Dv] (no ``mass``), in one
+    C++ call (needs :func:`load_layer_op`); same contracts, checked in C++."""
+    return torch.ops.devin.cpu_decode_layer(q, k, v, k_cache, v_cache, slots, rows, tables, lens, scale, chunk)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

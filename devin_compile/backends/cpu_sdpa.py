@@ -184,6 +184,19 @@ def _once_per_step(meta: AttentionMetadata, key: str, supported) -> bool:
     return ok
 
 
+def _layer_op_plan(q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+    """(rows, tables, lens, chunk) for ``devin::cpu_decode_layer`` when this step is pure decode
+    and the C kernels take its tensors, else None; decided on the step's first layer and kept
+    in ``meta.scratch`` for the others (every layer's tensors have the same layout)."""
+    plan = meta.scratch.get("cpu_decode_layer")
+    if plan is None:
+        ok = (all(n == 1 for n in meta.query_lens_host) and _kernel_supported(q, k_cache, v_cache, meta)
+              and _once_per_step(meta, "cpu_write_supported", lambda: cpu_paged_decode.write_supported(k, v, k_cache, v_cache))
+              and cpu_paged_decode.load_layer_op())
+        plan = meta.scratch["cpu_decode_layer"] = _kernel_plan(meta, list(range(meta.num_seqs)), q.device) if ok else False
+    return plan or None
+
+
 class CpuSdpaBackend:
     name = "cpu_sdpa"
     priority = 10
@@ -199,10 +212,16 @@ class CpuSdpaBackend:
 
     def warm_up(self, *, dtype, num_kv_heads, num_heads, head_dim) -> None:
         """Build (or load from its cache) the C decode kernel now rather than in the first decode
-        step: about a second the first time, milliseconds after."""
+        step: about a second the first time, milliseconds after (the C++ layer op: ~10 s once)."""
         cpu_paged_decode.load()
+        cpu_paged_decode.load_layer_op()
 
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
+        fast = _layer_op_plan(q, k, v, k_cache, v_cache, meta) if sliding_window <= 0 else None
+        if fast is not None:  # a pure-decode step: write + attend in one C++ call
+            tok, tables, lens, chunk = fast
+            return cpu_paged_decode.decode_layer(q, k, v, k_cache, v_cache, meta.slot_mapping, tok, tables, lens,
+                                                 scale, chunk)
         _write(k, v, k_cache, v_cache, meta)
         decode_rows = [] if sliding_window > 0 else [b for b, n in enumerate(meta.query_lens_host) if n == 1]
         if decode_rows and len(decode_rows) == meta.num_seqs:
