@@ -373,6 +373,55 @@ def test_artifact_reloads_to_identical_logits(tiny, tmp_path):
     assert torch.equal(opt(ids).logits, again(ids).logits)
 
 
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+def test_lm_head_quantization_unties_a_tied_head(method, tmp_path):
+    """lm_head=True: the tied head gets its own INT4 weight (AWQ folds its scale into the final
+    norm), the embedding keeps reading the model-dtype weight, the compiled model equals the
+    eager simulation, the head has no dense copy, and the artifact reloads to identical logits."""
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    emb = model.get_input_embeddings().weight.detach().clone()
+    opt = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={
+        "method": method, "group_size": 32, "calib_chunks": 4, "calib_len": 64, "lm_head": True})
+    res = opt.quant_result
+    assert res.head == "lm_head" and "lm_head" in res.linears and len(res.linears) == 15
+    assert ("model.norm.weight" in res.overrides) == (method == "awq")
+    row = next(r for r in opt.precision_table if r["linear"] == "lm_head")
+    assert row["precision"] == "int4" and "lm_head" in next(
+        r for r in opt.pass_report.records if r.name == "assign_precision").note
+    heads = [n for n in _int4_nodes(opt) if n.args[4] == 300]
+    assert heads and all(n.kwargs["max_int4_tokens"] == -1 and n.kwargs.get("dense") is None for n in heads)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and torch.equal(model.lm_head.weight, emb)
+    sim = simulate(model, res)
+    assert sim.lm_head.weight is not sim.model.embed_tokens.weight
+    assert torch.equal(sim.model.embed_tokens.weight, emb)  # only the head is quantized
+    assert not torch.equal(sim.lm_head.weight, emb)
+    ids = torch.randint(3, 256, (1, 30))
+    with torch.no_grad():
+        ref, base = sim(ids).logits, model(ids).logits
+    out = opt(ids).logits
+    assert (out - ref).abs().max() <= 1e-4
+    assert (out - base).abs().max() > 1e-4  # the head really is quantized
+    artifact.save(res, tmp_path / "q")
+    assert json.loads((tmp_path / "q" / "quant_config.json").read_text())["head"] == "lm_head"
+    again = devin_compile.optimize(model, quantized=str(tmp_path / "q"))
+    assert again.quant_result.head == "lm_head" and torch.equal(again(ids).logits, out)
+
+
+def test_lm_head_needs_head_statistics(tiny):
+    import dataclasses
+
+    model, stats = tiny
+    assert "lm_head" in stats.linear_input  # calibration always records the head's input
+    old = dataclasses.replace(stats, linear_input={k: v for k, v in stats.linear_input.items() if k != "lm_head"})
+    with pytest.raises(ValueError, match="lack the output head 'lm_head'.*quantize calibrate"):
+        quantize_model(model, old, {"method": "rtn", "lm_head": True})
+    assert quantize_model(model, old, {"method": "rtn"}).head is None  # without lm_head it is not needed
+
+
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize("bad,match", [
     ({"group_size": 48}, r"group_size=48 is unsupported; valid: \[32, 64, 128\]"),
@@ -382,6 +431,7 @@ def test_artifact_reloads_to_identical_logits(tiny, tmp_path):
     ({"target": {"int4_fraction": 1.5}}, r"out of range"),
     ({"kernel": "cuda"}, r"kernel='cuda' is unknown; valid"),
     ({"colour": 1}, r"unknown keys \['colour'\]"),
+    ({"lm_head": "yes"}, r"lm_head='yes' must be True or False"),
 ])
 def test_bad_quantization_options(bad, match):
     with pytest.raises(ValueError, match=match):

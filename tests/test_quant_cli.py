@@ -22,7 +22,7 @@ def test_calibrate_run_validate_on_smollm2(tmp_path, capsys):
     assert main(["quantize", "calibrate", "--data", _text(tmp_path), "--chunks", "2", "--chunk-len", "128",
                  "--out", str(calib)]) == 0
     meta = json.loads((calib / "calib.json").read_text())
-    assert meta["tokens"] == 256 and len(meta["linear_input"]) == 210  # 7 linears x 30 layers
+    assert meta["tokens"] == 256 and len(meta["linear_input"]) == 211  # 7 linears x 30 layers + lm_head
     assert main(["quantize", "run", "--calib", str(calib), "--method", "rtn", "--group-size", "128",
                  "--out", str(q)]) == 0
     out = capsys.readouterr().out

@@ -10,8 +10,10 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
 
 1. Each graph linear is mapped to the HF linears it computes (one, or several after
    ``fuse_projections``, which records them in ``node.meta["fused_weights"]``). Linears the
-   result does not cover (lm_head, tied to the embedding in SmolLM2) stay as they are; a
-   fused linear covered only in part is a ``PassError``.
+   result does not cover (lm_head, tied to the embedding in SmolLM2, unless it was quantized
+   with ``lm_head=True``) stay as they are; a fused linear covered only in part is a
+   ``PassError``. A quantized head gets its own INT4 weight (a tied embedding keeps reading
+   the model-dtype one) and no dense copy: it only sees the rows that need logits.
 2. Sensitivity of a graph linear: the relative output error when it alone is quantized,
    ``Σ tr(ΔW H ΔWᵀ) / Σ tr(W H Wᵀ)`` over its parts, on the calibration tokens.
 3. The target picks the INT4 set: ``all``; ``keep_fp=N`` (all but the N most sensitive);
@@ -226,8 +228,10 @@ class AssignPrecision(Pass):
                 with graph.inserting_before(node):
                     qw_node = _set_attr(gm, f"int4_{i}_qweight", qw, w_node)
                     sz_node = _set_attr(gm, f"int4_{i}_scales_zeros", sz, w_node)
-                    kwargs = {"bias": bias, "max_int4_tokens": max_tokens}
-                    if dense:
+                    head = c.names == [res.head]
+                    # the head only sees the rows that need logits (a few per step): no dense copy
+                    kwargs = {"bias": bias, "max_int4_tokens": -1 if head else max_tokens}
+                    if dense and not head:
                         wd = fmt.dequantize(q, scale, minv, c.group_size, dtype).to(device)
                         if packed_dense:
                             wd = torch.ops.mkldnn._reorder_linear_weight(wd, 1)
@@ -270,10 +274,11 @@ class AssignPrecision(Pass):
         mode = (f"{kernel} kernel for steps of <= {max_tokens} tokens, dense {dense_kind}copy above"
                 if dense and max_tokens > 0 else "dense dequantized copy for every step (fp32: the CPU int4 kernel "
                 "has no fast fp32 path)" if dense else f"{kernel} kernel for every step")
-        note = (f"{res.method} INT4 {n4}/{len(cands)} linears ({p4 / ptot:.1%} of decoder-linear weights), "
+        what = "decoder-linear + lm_head" if res.head else "decoder-linear"
+        note = (f"{res.method} INT4 {n4}/{len(cands)} linears ({p4 / ptot:.1%} of {what} weights), "
                 f"target {self.qconfig.target['kind']}"
                 + (f"={self.qconfig.target['value']}" if self.qconfig.target["value"] is not None else "")
-                + f"; decoder-linear weights {total_bytes / 2**20:.1f} MiB vs {fp_bytes / 2**20:.1f} MiB"
+                + f"; {what} weights {total_bytes / 2**20:.1f} MiB vs {fp_bytes / 2**20:.1f} MiB"
                 + (f" (+ {dense_bytes / 2**20:.1f} MiB dense copies for long steps: dense_prefill=False drops them)"
                    if dense_bytes else "")
                 + f"; {gnote}; {mode}; "

@@ -1,6 +1,7 @@
 """A quantized model on disk: ``quantized.safetensors`` + ``quant_config.json`` (no pickle).
 
-Tensors, per decoder linear ``NAME`` (HF module name)::
+Tensors, per decoder linear ``NAME`` (HF module name), and for the output head (``lm_head``)
+when it was quantized too (``head`` in the JSON)::
 
     NAME.qweight    uint8 [N, ceil(K/2)]  two 4-bit values a byte, even column low (see quant.int4)
     NAME.scale      fp32  [N, G]
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import int4 as fmt
-from .calibration import check_fingerprint, decoder_linears
+from .calibration import check_fingerprint, output_head, quantizable_linears
 from .quantize import QLinear, QuantResult
 
 TENSORS_FILE = "quantized.safetensors"
@@ -59,7 +60,7 @@ def save(result: QuantResult, out_dir: str | os.PathLike) -> Path:
     meta = {"format": FORMAT, "version": VERSION, "method": result.method, "bits": result.bits,
             "group_size": result.group_size, "config": result.config, "fingerprint": result.fingerprint,
             "seconds": result.seconds, "calib": result.calib, "notes": result.notes, "linears": layers,
-            "overrides": sorted(result.overrides), "groups": result.groups}
+            "overrides": sorted(result.overrides), "groups": result.groups, "head": result.head}
     save_file(tensors, str(out / TENSORS_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str))
     return out
@@ -85,7 +86,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
     except (SafetensorError, OSError, RuntimeError) as e:
         raise ValueError(f"{p / TENSORS_FILE} is corrupted or truncated: {e}") from None
     check_fingerprint(meta["fingerprint"], model, f"quantized model {p}")
-    lins = decoder_linears(model)
+    head = meta.get("head")
+    if head is not None and (output_head(model) or ("",))[0] != head:
+        raise ValueError(f"quantized model {p} quantizes the output head {head!r}, which this model lacks")
+    lins = quantizable_linears(model, lm_head=head is not None)
     layers = meta["linears"]
     unknown = sorted(set(layers) - set(lins))
     if unknown:
@@ -131,4 +135,4 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
     return QuantResult(meta["method"], int(meta["bits"]), int(meta["group_size"]), linears, overrides,
                        meta["fingerprint"], config=meta.get("config", {}), seconds=float(meta.get("seconds", 0.0)),
                        calib=meta.get("calib", {}), notes=list(meta.get("notes", [])),
-                       groups=[list(g) for g in meta.get("groups", [])])
+                       groups=[list(g) for g in meta.get("groups", [])], head=head)

@@ -7,7 +7,7 @@ takes chunks from the start of the token stream and evaluation from its end
 
 Statistics (:func:`collect_stats`), gathered with forward hooks on the Hugging Face model,
 one entry per distinct *input* of the decoder's linears (q/k/v share one input, gate/up
-another):
+another) and of the output head when it is a linear (for ``lm_head=True`` quantization):
 
 - ``hessian`` [K, K] fp32: ``mean(x xᵀ)`` over all calibration tokens (GPTQ's Hessian up to
   a factor 2; also the exact quadratic form of a linear's output error:
@@ -84,6 +84,26 @@ def decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """Every ``nn.Linear`` of the model except the output head (lm_head, tied or not)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+
+
+def output_head(model: torch.nn.Module) -> tuple[str, torch.nn.Linear] | None:
+    """(module name, module) of the model's output head (lm_head) when it is an ``nn.Linear``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Linear):
+        return next(((n, m) for n, m in model.named_modules() if m is head), None)
+    return None
+
+
+def quantizable_linears(model: torch.nn.Module, lm_head: bool = False) -> dict[str, torch.nn.Linear]:
+    """The decoder linears, plus the output head when ``lm_head`` (an error if it is not a linear)."""
+    lins = decoder_linears(model)
+    if lm_head:
+        head = output_head(model)
+        if head is None:
+            raise ValueError(f"{type(model).__name__} has no nn.Linear output head to quantize: "
+                             "use lm_head=False")
+        lins[head[0]] = head[1]
+    return lins
 
 
 def _norm_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -178,11 +198,25 @@ class CalibrationStats:
                     meta["chunk_len"], meta["fingerprint"], meta.get("seconds", 0.0), meta.get("data", ""))
         if model is not None:
             check_fingerprint(stats.fingerprint, model, f"calibration {p}")
-            lins = decoder_linears(model)
+            lins = quantizable_linears(model, lm_head=output_head(model) is not None)
             for name, key in stats.linear_input.items():
                 if name not in lins or lins[name].in_features != stats.absmean[key].shape[0]:
                     raise ValueError(f"calibration {p}: linear {name!r} does not match the model")
         return stats
+
+
+def _norm_producing(x: torch.Tensor, norm_out: dict[int, tuple[torch.Tensor, str]]) -> str | None:
+    """The norm whose output ``x`` is, or a token slice of (HF slices the final norm's output to
+    the positions that need logits before lm_head): each channel still comes from that norm."""
+    n = norm_out.get(id(x))
+    if n is not None and n[0] is x:
+        return n[1]
+    base = x._base
+    n = norm_out.get(id(base)) if base is not None else None
+    if (n is not None and n[0] is base and x.shape[-1] == base.shape[-1] and x.stride(-1) == base.stride(-1) == 1
+            and (x.storage_offset() - base.storage_offset()) % base.shape[-1] == 0):
+        return n[1]
+    return None
 
 
 def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
@@ -191,9 +225,10 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
     if not chunks:
         raise ValueError("calibration needs at least one chunk of tokens")
     t0 = time.perf_counter()
-    linears = decoder_linears(model)
-    if not linears:
+    if not decoder_linears(model):
         raise ValueError(f"{type(model).__name__} has no nn.Linear layers besides its output head: nothing to quantize")
+    # the output head's input too (cheap: one [K, K] Hessian), for quantization with lm_head=True
+    linears = quantizable_linears(model, lm_head=output_head(model) is not None)
     norms = _norm_modules(model)
     hessian: dict[str, torch.Tensor] = {}
     absmean: dict[str, torch.Tensor] = {}
@@ -220,9 +255,9 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                     absmean[key] += a
                 else:
                     hessian[key], absmean[key] = h, a
-                    n = norm_out.get(id(x))
-                    if n is not None and n[0] is x:
-                        producer[key] = n[1]
+                    n = _norm_producing(x, norm_out)
+                    if n is not None:
+                        producer[key] = n
             prev = linear_input.setdefault(name, key)
             if prev != key:
                 raise RuntimeError(f"calibration: {name} read a different input on a later chunk ({prev} vs {key})")

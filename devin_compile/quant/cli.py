@@ -31,15 +31,15 @@ def cmd_calibrate(args, load, console) -> int:
 
 def cmd_run(args, load, console) -> int:
     from . import artifact
-    from .calibration import CalibrationStats
+    from .calibration import CalibrationStats, quantizable_linears
     from .quantize import QuantConfig, quantize_model
 
     cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=args.target,
-                      act_order=not args.no_act_order, clip=not args.no_clip, damp=args.damp)
+                      act_order=not args.no_act_order, clip=not args.no_clip, damp=args.damp, lm_head=args.lm_head)
     model, _tok = load(args, console)
     stats = CalibrationStats.load(args.calib, model)
     with _progress(console, f"{cfg.method} INT4 g{cfg.group_size}") as prog:
-        task = prog.add_task("quant", total=len(stats.linear_input))
+        task = prog.add_task("quant", total=len(quantizable_linears(model, cfg.lm_head)))
         result = quantize_model(model, stats, cfg, progress=lambda i, n, name: prog.update(task, completed=i))
     if cfg.target["kind"] == "max_kl":
         from . import resolve_target
@@ -124,6 +124,8 @@ def add_parser(sub, common, load) -> None:
                    help="GPTQ: columns in their natural order (default: by decreasing Hessian diagonal)")
     r.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ) / static clipped grid (GPTQ)")
     r.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean(diag H)")
+    r.add_argument("--lm-head", action="store_true",
+                   help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
     r.add_argument("--out", required=True, help="directory for quantized.safetensors + quant_config.json")
     r.set_defaults(fn=lambda a: _run(cmd_run, a, load))
 

@@ -19,7 +19,7 @@ import torch
 
 from . import awq, gptq
 from . import int4 as fmt
-from .calibration import CalibrationStats, decoder_linears, model_fingerprint
+from .calibration import CalibrationStats, model_fingerprint, output_head, quantizable_linears
 
 METHODS = ("rtn", "awq", "gptq")
 TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep", "max_kl")
@@ -105,6 +105,8 @@ class QuantConfig:
     kernel: str = "auto"  # auto: "cpu_c" on CPU (aten's "cpu" without a C compiler), "triton" on CUDA
     max_int4_tokens: int | None = None  # steps above this many tokens use the dense copy
     dense_prefill: bool = True  # keep a dense (dequantized) copy for steps above max_int4_tokens
+    # also quantize the output head (lm_head; untied from a tied embedding, which stays in the model dtype)
+    lm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -119,6 +121,8 @@ class QuantConfig:
             raise ValueError(f"quantization kernel={self.kernel!r} is unknown; valid: {list(INT4_KERNELS)}")
         if self.max_int4_tokens is not None and (not isinstance(self.max_int4_tokens, int) or self.max_int4_tokens < 0):
             raise ValueError(f"max_int4_tokens={self.max_int4_tokens!r} must be an integer >= 0 or None")
+        if not isinstance(self.lm_head, bool):
+            raise ValueError(f"lm_head={self.lm_head!r} must be True or False")
         if not (isinstance(self.damp, (int, float)) and 0 < self.damp < 1):
             raise ValueError(f"damp={self.damp!r} must be in (0, 1)")
         for name in ("calib_chunks", "calib_len"):
@@ -185,6 +189,7 @@ class QuantResult:
     calib: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # linears sharing one input (fused in the graph)
+    head: str | None = None  # the output head's module name when it is quantized too (lm_head=True)
 
 
 def _fold_source(name: str, linears: dict[str, torch.nn.Linear]) -> str | None:
@@ -206,10 +211,15 @@ def _is_qk(name: str) -> bool:
 
 def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: QuantConfig | Mapping | None = None,
                    progress: Callable[[int, int, str], None] | None = None) -> QuantResult:
-    """Quantize every decoder linear of ``model`` (not modified) with ``config.method``."""
+    """Quantize every decoder linear of ``model`` (not modified) with ``config.method``, and the
+    output head too with ``lm_head=True`` (its AWQ scale folds into the final norm)."""
     cfg = QuantConfig.coerce(config) if config is not None else QuantConfig()
     t0 = time.perf_counter()
-    lins = decoder_linears(model)
+    lins = quantizable_linears(model, cfg.lm_head)
+    head = output_head(model)[0] if cfg.lm_head else None
+    if head is not None and head not in stats.linear_input:
+        raise ValueError(f"calibration statistics lack the output head {head!r} (made by an older version): "
+                         "re-run `devin-compile quantize calibrate`, or use lm_head=False")
     missing = sorted(set(lins) - set(stats.linear_input))
     if missing:
         raise ValueError(f"calibration statistics lack {len(missing)} linears of this model, e.g. {missing[:3]}")
@@ -277,7 +287,7 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                        config=_config_dict(cfg), seconds=time.perf_counter() - t0,
                        calib={"tokens": stats.tokens, "num_chunks": stats.num_chunks, "chunk_len": stats.chunk_len,
                               "data": stats.data, "seconds": stats.seconds}, notes=notes,
-                       groups=[list(g) for g in groups.values()])
+                       groups=[list(g) for g in groups.values()], head=head)
 
 
 def _config_dict(cfg: QuantConfig) -> dict:
@@ -291,8 +301,10 @@ def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None 
     import copy
 
     sim = copy.deepcopy(model)
+    if result.head is not None:
+        untie_head(sim)
     params = dict(sim.named_parameters())
-    lins = decoder_linears(sim)
+    lins = quantizable_linears(sim, lm_head=result.head is not None)
     chosen = set(result.linears) if int4 is None else set(int4)
     with torch.no_grad():
         for pname, value in result.overrides.items():
@@ -301,6 +313,14 @@ def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None 
             w = lins[n].weight
             w.copy_(ql.dequantized(w.dtype) if n in chosen else ql.fp_weight(w))
     return sim
+
+
+def untie_head(model: torch.nn.Module) -> None:
+    """Give a head tied to the input embedding its own weight (a copy), so writing one leaves the other."""
+    head = output_head(model)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is not None and emb is not None and head[1].weight is emb.weight:
+        head[1].weight = torch.nn.Parameter(head[1].weight.detach().clone(), requires_grad=False)
 
 
 def resolve_max_kl(model: torch.nn.Module, result: QuantResult, chunks, max_kl: float) -> dict:
