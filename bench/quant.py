@@ -11,12 +11,15 @@ RTN / AWQ / GPTQ with every decoder linear INT4, then mixed precision from
 ``assign_precision`` at 80% of decoder-linear weights INT4 (the best method's artifact),
 against a sensitivity-blind choice of the same linears' count and byte budget (evenly spaced
 linears kept in fp32) and against all-INT4 at group 32 (more bytes, but see DESIGN.md: g32
-reproduces SmolLM2's stored Q4_1 grid). Quantization wall time per method.
+reproduces SmolLM2's stored Q4_1 grid), and the best method with the output head in INT4 too
+(``lm_head=True``, opt-in). Quantization wall time per method.
 
 Speed (bf16, batch 1, 64 new tokens after a 43-token prompt, median of ``--repeats``):
-decode tokens/s of devin-compile INT4 vs devin-compile bf16 vs HF eager bf16, and llama.cpp
-(``llama-bench``) when it is installed. The bf16 and INT4 repeats of each configuration are
-interleaved, so their ratio is measured under the same machine load.
+decode tokens/s of devin-compile INT4 (decoder linears; and + the output head, ``lm_head=True``)
+vs devin-compile bf16 vs HF eager bf16, and llama.cpp (``llama-bench``) when it is installed.
+The bf16 and INT4 repeats of each configuration are interleaved, so their ratios are measured
+under the same machine load. Without ``--parts quality`` first, speed uses RTN artifacts
+(the kernels and bytes do not depend on the method).
 
 Kernels: the per-step time of SmolLM2's 120 decoder linears (distinct weights per layer, so
 they stream from memory as in a real step) at 1..64 tokens, CPU int4 kernel vs oneDNN bf16:
@@ -114,22 +117,32 @@ def quality(args, out: dict) -> None:
     path32 = os.path.join(work, f"{best}-g32")
     artifact.save(res32, path32)
     evaluate(f"{best} g32 all INT4 (stored grid, see note)", path32)
+    # opt-in: the output head (tied to the embedding in SmolLM2) in INT4 too
+    t0 = time.perf_counter()
+    res_head = quant.quantize(model, stats, method=best, group_size=args.group_size, lm_head=True)
+    secs = time.perf_counter() - t0
+    path_head = os.path.join(work, f"{best}-g{args.group_size}-lm_head")
+    artifact.save(res_head, path_head)
+    evaluate(f"{best} g{args.group_size} all INT4 + INT4 lm_head", path_head)
+    rows[-1]["quantize_seconds"] = secs
     out["quality"] = {"calib_tokens": stats.tokens, "eval_tokens": rows[0]["tokens"], "rows": rows,
                       "best_method": best, "artifact_dir": work}
     out["_artifact"] = results[best][1]
+    out["_artifact_head"] = path_head
 
 
 def speed(args, out: dict) -> None:
     model, tok = load_model(None, torch.bfloat16)
     ids = tok(PROMPT)["input_ids"]
-    path = out.get("_artifact")
-    if path is None:
+    path, path_head = out.get("_artifact"), out.get("_artifact_head")
+    if path is None or path_head is None:  # speed does not depend on the method: RTN artifacts
         fp32, _ = load_model(None, torch.float32)
         stream = load_token_stream(tok)
         calib, _e = calibration_and_eval_chunks(stream, (4, 512), (1, 512))
-        res = quant.quantize(fp32, collect_stats(fp32, calib), method="awq", group_size=args.group_size)
-        path = tempfile.mkdtemp(prefix="devin_quant_speed_")
-        artifact.save(res, path)
+        stats = collect_stats(fp32, calib)
+        path, path_head = tempfile.mkdtemp(prefix="devin_quant_speed_"), tempfile.mkdtemp(prefix="devin_quant_speed_")
+        for p, head in ((path, False), (path_head, True)):
+            artifact.save(quant.quantize(fp32, stats, method="rtn", group_size=args.group_size, lm_head=head), p)
         del fp32
     # each devin-compile configuration in bf16 and INT4: the default (eager FX decode graph) and
     # compile_decode=True (Inductor-compiled decode graph: far less per-op Python overhead at batch 1)
@@ -139,22 +152,28 @@ def speed(args, out: dict) -> None:
         suffix = " compile_decode" if compiled else ""
         bf16 = devin_compile.optimize(model, tokenizer=tok, compile_decode=compiled)
         int4 = devin_compile.optimize(model, tokenizer=tok, quantized=path, compile_decode=compiled)
+        head = devin_compile.optimize(model, tokenizer=tok, quantized=path_head, compile_decode=compiled)
         notes[f"int4_note{suffix.replace(' ', '_')}"] = int4.quant_note
-        rows += time_devin_decodes({f"devin bf16{suffix}": bf16, f"devin INT4 g64{suffix}": int4}, ids,
+        rows += time_devin_decodes({f"devin bf16{suffix}": bf16, f"devin INT4 g64{suffix}": int4,
+                                    f"devin INT4 g64 + lm_head{suffix}": head}, ids,
                                    args.new_tokens, args.repeats)  # repeats interleaved
-        del bf16, int4
+        del bf16, int4, head
     for r in rows:
         log(r.row())
     res = {r.name: {"decode_tok_s": r.decode_tok_s, "ttft_ms": r.ttft_s * 1e3} for r in rows}
+    # rows: HF, then (bf16, INT4, INT4 + lm_head) eager, then the same with compile_decode
     res["int4_vs_bf16"] = rows[2].decode_tok_s / rows[1].decode_tok_s
-    res["int4_vs_bf16_compile_decode"] = rows[4].decode_tok_s / rows[3].decode_tok_s
-    res["int4_compile_decode_vs_bf16_default"] = rows[4].decode_tok_s / rows[1].decode_tok_s
-    res["int4_vs_hf"] = max(rows[2].decode_tok_s, rows[4].decode_tok_s) / rows[0].decode_tok_s
+    res["int4_lm_head_vs_bf16"] = rows[3].decode_tok_s / rows[1].decode_tok_s
+    res["int4_vs_bf16_compile_decode"] = rows[5].decode_tok_s / rows[4].decode_tok_s
+    res["int4_lm_head_vs_bf16_compile_decode"] = rows[6].decode_tok_s / rows[4].decode_tok_s
+    res["int4_compile_decode_vs_bf16_default"] = rows[5].decode_tok_s / rows[1].decode_tok_s
+    res["int4_vs_hf"] = max(rows[2].decode_tok_s, rows[5].decode_tok_s) / rows[0].decode_tok_s
     res.update(notes)
     llama = shutil.which("llama-bench")
     res["llama.cpp"] = "not installed (llama-bench not on PATH)" if llama is None else _llama_bench(llama, args)
     log(f"INT4 / bf16 decode: {res['int4_vs_bf16']:.2f}x (default), {res['int4_vs_bf16_compile_decode']:.2f}x "
-        f"(both compile_decode); best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; "
+        f"(both compile_decode); with an INT4 lm_head {res['int4_lm_head_vs_bf16']:.2f}x / "
+        f"{res['int4_lm_head_vs_bf16_compile_decode']:.2f}x; best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; "
         f"llama.cpp: {res['llama.cpp']}")
     out["speed"] = {"dtype": "bfloat16", "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
                     "repeats": args.repeats, **res}
@@ -256,6 +275,7 @@ def main() -> None:
         log(f"\n== {part}")
         {"kernels": kernels, "quality": quality, "speed": speed}[part](args, out)
     out.pop("_artifact", None)
+    out.pop("_artifact_head", None)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
