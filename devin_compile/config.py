@@ -195,6 +195,7 @@ class OptimizeConfig:
     fuse_rotary: bool = True
     fuse_attention_inputs: bool = True
     fuse_projections: bool = True
+    fuse_silu_mul: bool = True
     prepack_linear: bool = True
     # CPU bf16/fp16 without native oneDNN kernels: linears of 8+ rows computed in float32.
     upcast_linear: bool = True

@@ -1,6 +1,6 @@
 """The rewrite passes keep values: each pass alone vs the paged graph without it.
 
-fuse_rotary and fuse_attention_inputs are bit-identical in float32; fuse_rms_norm is equal up to the order of the
+fuse_rotary, fuse_attention_inputs and fuse_silu_mul are bit-identical in float32; fuse_rms_norm is equal up to the order of the
 float32 sum of squares (bit-identical in bf16); fuse_projections is equal up to float32 GEMM
 rounding; prepack_linear is bit-identical in bf16. Each pass must also
 actually match (its count equals the number of sites in a 2-layer Llama).
@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from devin_compile.api import make_probe
 from devin_compile.capture import capture
 from devin_compile.passes import (AttentionToPaged, Cleanup, FuseAttentionInputs, FuseProjections, FuseRMSNorm,
-                                  FuseRotary, PrepackLinear)
+                                  FuseRotary, FuseSiluMul, PrepackLinear)
 from devin_compile.pipeline import PassContext, PassManager, Program
 
 
@@ -97,6 +97,35 @@ def test_fuse_attention_inputs_bit_identical_fp32(fused):
         assert all(a.args[0].target is torch.ops.devin.rotary_heads.default for a in attn.args[:3])
         (user,) = attn.users
         assert user.target is torch.ops.aten.reshape.default  # was unsqueeze, transpose, reshape, transpose, reshape
+
+
+def test_fuse_silu_mul_bit_identical_fp32():
+    """After fuse_projections, each layer's split + silu + mul becomes one devin::silu_mul."""
+    model = _model(torch.float32)
+    base, _ = _run(model, [FuseProjections()])
+    out, report = _run(model, [FuseProjections(), FuseSiluMul()])
+    assert report.records[-1].matches == 2
+    assert torch.equal(out, base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_cpu_kernel_equals_python_kernel(dtype):
+    """The C++ kernel makes the Python kernel's aten calls: equal bit for bit, also on a strided
+    input; an odd last dimension is an error naming it."""
+    from devin_compile.backends import cpu_silu_mul_op
+    from devin_compile.ops.silu_mul import silu_mul
+
+    if not cpu_silu_mul_op.load():
+        pytest.skip("no C++ compiler here")
+    g = torch.Generator().manual_seed(0)
+    for x in [torch.randn(1, 3, 64, generator=g), torch.randn(5, 2 * 1536, generator=g),
+              torch.randn(4, 100, generator=g)[:, 10:74], torch.randn(0, 8, generator=g)]:
+        x = (x * 4).to(dtype)
+        out = torch.ops.devin.silu_mul(x)
+        ref = silu_mul(x)
+        assert out.dtype == ref.dtype and out.shape == ref.shape and torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match=r"last dimension \(7\) must be even"):
+        torch.ops.devin.silu_mul(torch.randn(2, 7).to(dtype))
 
 
 def _rotary_inputs(t, kv_heads, group, d, dtype, fused, seed):

@@ -9,6 +9,7 @@ from .fuse_attention_inputs import FuseAttentionInputs
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
+from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
 from .prepack_linear import PrepackLinear
@@ -26,6 +27,8 @@ def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=No
         passes.append(FuseRotary())
     if config.fuse_projections:
         passes.append(FuseProjections())
+        if config.fuse_silu_mul:  # matches the fused gate/up's split
+            passes.append(FuseSiluMul())
     if quant is not None:
         passes.append(AssignPrecision(*quant))
     if config.split_phases:
@@ -46,6 +49,6 @@ def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=No
     return passes
 
 
-__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseProjections", "FuseRMSNorm", "FuseRotary",
+__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
            "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "UpcastLinear",
            "default_passes"]

@@ -74,18 +74,21 @@ class CompileDecode(Pass):
 
 def _for_inductor(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm`` (same parameters) with ``devin::rms_norm`` back as ``aten.rms_norm`` and
-    ``devin::rotary_heads`` as its Python kernel (plain torch code that Dynamo inlines), which
-    Inductor fuses with their neighbours; the eager graph keeps the ops' C++ kernels."""
+    ``devin::rotary_heads`` / ``devin::silu_mul`` as their Python kernels (plain torch code that
+    Dynamo inlines), which Inductor fuses with their neighbours; the eager graph keeps the ops'
+    C++ kernels."""
     from ..ops.rotary_heads import rotary_heads
+    from ..ops.silu_mul import silu_mul
 
+    inline = {torch.ops.devin.rotary_heads.default: rotary_heads, torch.ops.devin.silu_mul.default: silu_mul}
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.devin.rms_norm.default:
             x, w, eps = node.args
             node.target = torch.ops.aten.rms_norm.default
             node.args = (x, [fake_value(x).shape[-1]], w, eps)
-        elif node.op == "call_function" and node.target is torch.ops.devin.rotary_heads.default:
-            node.target = rotary_heads
+        elif node.op == "call_function" and node.target in inline:
+            node.target = inline[node.target]
     return torch.fx.GraphModule(gm, graph)
 
 
