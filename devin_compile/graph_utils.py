@@ -9,6 +9,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 
 aten = torch.ops.aten
+# ops that only reshape (a view where possible): the same elements in the same row-major order
+RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
 def fake_value(node: Any) -> Any:
@@ -49,6 +51,12 @@ def has_shape(node: Any, shape) -> bool:
     v = fake_value(node)
     return (isinstance(v, torch.Tensor) and v.dim() == len(shape)
             and all(statically_known_true(a == b) for a, b in zip(v.shape, shape)))
+
+
+def transpose_dims(node: torch.fx.Node) -> list[int]:
+    """The two dims a ``transpose.int`` node swaps, non-negative and sorted."""
+    n = fake_value(node).dim()
+    return sorted(d % n for d in node.args[1:3])
 
 
 def describe_value(v: Any) -> str:

@@ -42,7 +42,7 @@ import torch.fx
 
 from .. import ops as _ops  # noqa: F401  (registers devin::paged_attention)
 from ..capture import module_path_of
-from ..graph_utils import add_call, is_call, node_shape
+from ..graph_utils import RESHAPES, add_call, is_call, node_shape
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from .dead_code import eliminate_dead_code
 
@@ -51,7 +51,6 @@ aten = torch.ops.aten
 _SOFTMAX = (aten.softmax.int, aten._softmax.default)
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.type_as.default)
 _DROPOUT = (aten.dropout.default,)
-_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
 @dataclass
@@ -177,7 +176,7 @@ def _skip_full_slices(x: torch.fx.Node) -> torch.fx.Node:
 
 def _strip_repeat_kv(x: torch.fx.Node, num_kv_heads: int) -> torch.fx.Node:
     """reshape(expand(unsqueeze(kv, 2), ...)) or repeat_interleave(kv, n, 1) → kv."""
-    if is_call(x, *_VIEWS) and is_call(x.args[0], aten.expand.default):
+    if is_call(x, *RESHAPES) and is_call(x.args[0], aten.expand.default):
         base = _skip_full_slices(x.args[0].args[0])
         if is_call(base, aten.unsqueeze.default) and base.args[1] == 2:
             return base.args[0]

@@ -23,14 +23,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import fake_value, has_shape, is_call
+from ..graph_utils import RESHAPES, fake_value, has_shape, is_call, transpose_dims
 from ..pipeline import Pass, PassContext, PassResult, Program
 from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
-_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 # views that keep the elements' row-major order (so a reshape after them equals one of their input)
-_ORDER_KEEPING = (*_RESHAPES, aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default)
+_ORDER_KEEPING = (*RESHAPES, aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default)
 
 
 def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -51,12 +50,11 @@ def _noop_source(node: torch.fx.Node) -> torch.fx.Node | None:
         train = node.args[2] if len(node.args) > 2 else True
         if p == 0 or not train:
             return node.args[0]
-    if is_call(node, *_RESHAPES) and has_shape(node.args[0], tuple(fake_value(node).shape)):
+    if is_call(node, *RESHAPES) and has_shape(node.args[0], tuple(fake_value(node).shape)):
         return node.args[0]
     if is_call(node, aten.transpose.int) and is_call(node.args[0], aten.transpose.int):
         inner = node.args[0]
-        dims = lambda n: sorted(d % fake_value(n).dim() for d in n.args[1:3])  # noqa: E731
-        if fake_value(node) is not None and dims(node) == dims(inner):
+        if fake_value(node) is not None and transpose_dims(node) == transpose_dims(inner):
             return inner.args[0]
     return None
 
@@ -91,7 +89,7 @@ def remove_noops(graph: torch.fx.Graph) -> int:
         if src is not None:
             node.replace_all_uses_with(src)
             count += 1
-        elif is_call(node, *_RESHAPES) and is_call(node.args[0], *_ORDER_KEEPING) and fake_value(node) is not None:
+        elif is_call(node, *RESHAPES) and is_call(node.args[0], *_ORDER_KEEPING) and fake_value(node) is not None:
             base = node.args[0]
             while is_call(base, *_ORDER_KEEPING):
                 base = base.args[0]

@@ -27,23 +27,17 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..backends import cpu_rotary_op
-from ..graph_utils import add_call, fake_value, has_shape, is_call
+from ..graph_utils import RESHAPES, add_call, fake_value, has_shape, is_call, transpose_dims
 from ..ops import rotary_heads as _rotary_heads_op  # noqa: F401  (registers devin::rotary_heads)
 from ..pipeline import Pass, PassContext, PassResult
 from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
-_VIEW = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
-def _dims(node) -> list[int]:
-    n = fake_value(node.args[0]).dim()
-    return sorted(d % n for d in node.args[1:3])
 
 
 def _split_heads(x) -> tuple[torch.fx.Node, int] | None:
     """view(flat, [1, T, H, D]) → (flat, D) when flat is [1, T, H·D]."""
-    if not is_call(x, *_VIEW):
+    if not is_call(x, *RESHAPES):
         return None
     flat, v = x.args[0], fake_value(x)
     if not isinstance(v, torch.Tensor) or v.dim() != 4 or not statically_known_true(v.shape[0] == 1):
@@ -56,7 +50,7 @@ def _split_heads(x) -> tuple[torch.fx.Node, int] | None:
 
 def _heads(x) -> tuple[torch.fx.Node, int] | None:
     """transpose(view(flat, [1, T, H, D]), 1, 2) → (flat, D)."""
-    if not is_call(x, aten.transpose.int) or _dims(x) != [1, 2]:
+    if not is_call(x, aten.transpose.int) or transpose_dims(x) != [1, 2]:
         return None
     return _split_heads(x.args[0])
 
@@ -87,7 +81,7 @@ def _rotated_input(node):
     if not is_call(node, aten.squeeze.dim) or node.args[1] != 0:
         return None
     t = node.args[0]
-    if not is_call(t, aten.transpose.int) or _dims(t) != [1, 2]:
+    if not is_call(t, aten.transpose.int) or transpose_dims(t) != [1, 2]:
         return None
     rot = _rotary(t.args[0])
     if rot is None:
