@@ -7,6 +7,7 @@ group size 64 does not divide it and the pass must say which size it used).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -31,7 +32,7 @@ import devin_compile
 from devin_compile.backends import int4 as kernels
 from devin_compile.quant import artifact, awq, gptq
 from devin_compile.quant import int4 as fmt
-from devin_compile.quant.calibration import collect_stats, token_chunks
+from devin_compile.quant.calibration import CalibrationStats, collect_stats, token_chunks
 from devin_compile.quant.int4 import choose_group_size
 from devin_compile.quant.quantize import QuantConfig, parse_target, quantize_model, simulate
 
@@ -288,6 +289,82 @@ def test_awq_folding_keeps_fp_outputs(tiny, tiny_results):
         assert torch.allclose(fp(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_output_gradient_statistics_match_autograd(tiny):
+    """fisher[name] = mean over predicted positions of (dℓ/dy)², ℓ the summed next-token CE."""
+    import copy
+
+    model, _ = tiny
+    gen = torch.Generator().manual_seed(3)
+    chunks = [torch.randint(3, 256, (48,), generator=gen) for _ in range(2)]
+    stats = collect_stats(model, chunks)
+    assert all(p.grad is None for p in model.parameters())  # activations only
+    ref_model = copy.deepcopy(model)
+    names = ["model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+    mods = dict(ref_model.named_modules())
+    sq = {n: 0.0 for n in names}
+    for chunk in chunks:
+        outs = {}
+        def keep(n):
+            def hook(_m, _a, o):
+                o.retain_grad()
+                outs[n] = o
+            return hook
+        hs = [mods[n].register_forward_hook(keep(n)) for n in names]
+        logits = ref_model(input_ids=chunk[None], use_cache=False).logits[0, :-1]
+        torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").backward()
+        for h in hs:
+            h.remove()
+        for n in names:
+            sq[n] = sq[n] + outs[n].grad[0].pow(2).sum(0)
+    for n in names:
+        torch.testing.assert_close(stats.fisher[n], sq[n] / (2 * 47), rtol=1e-4, atol=1e-12)
+    assert set(stats.fisher) == set(stats.linear_input)
+    assert not collect_stats(model, chunks, fisher=False).fisher
+
+
+def test_sensitivity_is_estimated_loss_increase(tiny, tiny_results):
+    model, stats = tiny
+    from devin_compile.quant.awq import output_error
+    from devin_compile.quant.quantize import sensitivity
+
+    res = tiny_results["awq"]
+    lins = dict(model.named_modules())
+    for name in ("model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj"):
+        ql = res.linears[name]
+        w = lins[name].weight.detach().float()
+        ws = w * (ql.in_scale[None] if ql.in_scale is not None else 1)
+        ws = ws * (ql.row_scale[:, None] if ql.row_scale is not None else 1)
+        h = stats.hessian[stats.linear_input[name]]
+        if ql.in_scale is not None:
+            h = h / (ql.in_scale[:, None] * ql.in_scale[None])
+        f = stats.fisher[name] / (ql.row_scale.pow(2) if ql.row_scale is not None else 1)
+        expect = 0.5 * float((f * output_error(ql.dequantized() - ws, h)).sum())
+        assert ql.loss_delta == pytest.approx(expect, rel=1e-4) and ql.loss_delta > 0
+    assert any(ql.row_scale is not None for ql in res.linears.values())  # the up → down fold is covered
+    values, kind = sensitivity(res, res.groups)
+    assert kind == "loss" and values[0] == pytest.approx(sum(res.linears[n].loss_delta for n in res.groups[0]))
+    blind = quantize_model(model, dataclasses.replace(stats, fisher={}), {"method": "awq", "group_size": 64})
+    values, kind = sensitivity(blind, blind.groups)
+    assert kind == "relative" and all(ql.loss_delta is None for ql in blind.linears.values())
+
+
+def test_calibration_round_trips_with_and_without_gradients(tiny, tmp_path):
+    model, stats = tiny
+    stats.save(tmp_path / "c")
+    again = CalibrationStats.load(tmp_path / "c", model)
+    assert set(again.fisher) == set(stats.fisher)
+    assert all(torch.equal(again.fisher[n], stats.fisher[n]) for n in stats.fisher)
+    # a calibration from before output gradients (no "fisher" key) still loads
+    meta = json.loads((tmp_path / "c" / "calib.json").read_text())
+    del meta["fisher"]
+    (tmp_path / "c" / "calib.json").write_text(json.dumps(meta))
+    assert CalibrationStats.load(tmp_path / "c", model).fisher == {}
+    meta["fisher"] = ["model.layers.0.mlp.nope"]
+    (tmp_path / "c" / "calib.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="missing the output-gradient statistics of 'model.layers.0.mlp.nope'"):
+        CalibrationStats.load(tmp_path / "c", model)
+
+
 def test_methods_beat_rtn_on_total_output_error(tiny_results):
     total = {m: sum(ql.err / ql.signal for ql in r.linears.values()) for m, r in tiny_results.items()}
     assert total["awq"] < total["rtn"] and total["gptq"] < total["rtn"]
@@ -371,6 +448,9 @@ def test_artifact_reloads_to_identical_logits(tiny, tmp_path):
     again = devin_compile.optimize(model, quantized=str(tmp_path / "q"))
     ids = torch.randint(3, 256, (2, 20))
     assert torch.equal(opt(ids).logits, again(ids).logits)
+    assert all(again.quant_result.linears[n].loss_delta == ql.loss_delta is not None
+               for n, ql in opt.quant_result.linears.items())
+    assert {r["sensitivity_kind"] for r in again.precision_table} == {"loss"}
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])

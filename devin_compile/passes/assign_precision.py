@@ -14,8 +14,12 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    with ``lm_head=True``) stay as they are; a fused linear covered only in part is a
    ``PassError``. A quantized head gets its own INT4 weight (a tied embedding keeps reading
    the model-dtype one) and no dense copy: it only sees the rows that need logits.
-2. Sensitivity of a graph linear: the relative output error when it alone is quantized,
-   ``Σ tr(ΔW H ΔWᵀ) / Σ tr(W H Wᵀ)`` over its parts, on the calibration tokens.
+2. Sensitivity of a graph linear (:func:`~devin_compile.quant.quantize.sensitivity`): the
+   estimated increase of the next-token loss when it alone is quantized,
+   ``Σ ½ Σ_j fisher_j (ΔW H ΔWᵀ)_jj`` over its parts (``fisher``: the calibration's squared
+   output gradients), so layers whose errors the rest of the network amplifies rank higher;
+   without output-gradient statistics (``fisher=False``, older calibrations), the relative
+   output error ``Σ tr(ΔW H ΔWᵀ) / Σ tr(W H Wᵀ)``. The note says which.
 3. The target picks the INT4 set: ``all``; ``keep_fp=N`` (all but the N most sensitive);
    ``int4_fraction=f`` (at least a fraction f of the decoder-linear weights in INT4: the
    linears with the highest sensitivity per weight stay in the model dtype while the
@@ -46,12 +50,14 @@ from ..graph_utils import add_call, is_call
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from ..quant import int4 as fmt
 from ..quant.quantize import (C_MAX_INT4_TOKENS, DEFAULT_MAX_INT4_TOKENS, MAX_INT4_TOKENS_UPCAST, QuantConfig,
-                              QuantResult)
+                              QuantResult, sensitivity)
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _fake_like, _param
 from .prepack_linear import prepack_supported
 
 aten = torch.ops.aten
+SENSITIVITY_KINDS = {"loss": "estimated loss increase (output-gradient weighted)",
+                     "relative": "relative output error (calibration has no output gradients)"}
 
 
 def max_int4_tokens(kernel: str, dtype: torch.dtype) -> int:
@@ -195,11 +201,8 @@ class AssignPrecision(Pass):
             if tuple(w.shape) != (n_out, k) or any(p.shape[1] != k or p.group_size != parts[0].group_size for p in parts):
                 raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the quantized "
                                 f"parts {names} have shapes {[p.shape for p in parts]}")
-            err = sum(p.err for p in parts)
-            signal = sum(p.signal for p in parts)
             g = parts[0].group_size
-            cands.append(Candidate(node, names, n_out, k, g, err / max(signal, 1e-30), n_out * k * elem,
-                                   fmt.int4_bytes(n_out, k, g, elem)))
+            cands.append(Candidate(node, names, n_out, k, g, 0.0, n_out * k * elem, fmt.int4_bytes(n_out, k, g, elem)))
         if not cands:
             raise PassError("assign_precision: no graph linear matches the quantized model's linears "
                             f"(e.g. {next(iter(res.linears), None)}); was it made for this model?")
@@ -208,6 +211,9 @@ class AssignPrecision(Pass):
         if uncovered:
             raise PassError(f"assign_precision: {len(uncovered)} quantized linears have no linear in the graph, "
                             f"e.g. {uncovered[:3]}")
+        values, sens_kind = sensitivity(res, [c.names for c in cands])
+        for c, v in zip(cands, values):
+            c.sensitivity = v
         chosen = choose_int4(cands, self.qconfig.target)
         kernel, max_tokens, dense = self._kernel(device, dtype)
         packed_dense = dense and device.type == "cpu" and prepack_supported(dtype)
@@ -258,7 +264,7 @@ class AssignPrecision(Pass):
             rows.append({"linear": _label(c.names), "graph_node": node.name, "precision": "int4" if i in chosen
                          else str(dtype).replace("torch.", ""), "bits": bits,
                          "group_size": c.group_size if i in chosen else None, "group_note": why,
-                         "sensitivity": c.sensitivity, "bytes": c.int4_bytes if i in chosen else c.fp_bytes,
+                         "sensitivity": c.sensitivity, "sensitivity_kind": sens_kind, "bytes": c.int4_bytes if i in chosen else c.fp_bytes,
                          "params": c.params})
         self._apply_overrides(gm)
         removed = eliminate_dead_code(gm)
@@ -281,7 +287,7 @@ class AssignPrecision(Pass):
                 + f"; {what} weights {total_bytes / 2**20:.1f} MiB vs {fp_bytes / 2**20:.1f} MiB"
                 + (f" (+ {dense_bytes / 2**20:.1f} MiB dense copies for long steps: dense_prefill=False drops them)"
                    if dense_bytes else "")
-                + f"; {gnote}; {mode}; "
+                + f"; {gnote}; sensitivity: {SENSITIVITY_KINDS[sens_kind]}; {mode}; "
                 f"{removed} nodes removed")
         return PassResult(matches=n4, note=note, details=precision_table_markdown(rows))
 

@@ -29,11 +29,13 @@ __all__ = ["CalibrationStats", "QuantConfig", "QuantResult", "calibrate", "quant
 
 
 def calibrate(model: torch.nn.Module, tokenizer, data: str | None = None, num_chunks: int = 16, chunk_len: int = 512,
-              progress: Callable[[int, int], None] | None = None) -> CalibrationStats:
-    """Activation statistics of ``model`` on the first ``num_chunks x chunk_len`` tokens of ``data``."""
+              progress: Callable[[int, int], None] | None = None, fisher: bool = True) -> CalibrationStats:
+    """Activation statistics of ``model`` on the first ``num_chunks x chunk_len`` tokens of ``data``
+    (and its output-gradient statistics unless ``fisher=False``: see :mod:`.calibration`)."""
     stream = load_token_stream(tokenizer, data)
     chunks = token_chunks(stream, num_chunks, chunk_len)
-    return collect_stats(model, chunks, progress=progress, data=str(data or "tinyshakespeare (default)"))
+    return collect_stats(model, chunks, progress=progress, data=str(data or "tinyshakespeare (default)"),
+                         fisher=fisher)
 
 
 def quantize(model: torch.nn.Module, stats: CalibrationStats, progress=None, **options: Any) -> QuantResult:

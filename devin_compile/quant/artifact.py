@@ -13,7 +13,8 @@ when it was quantized too (``head`` in the JSON)::
 ``quant_config.json`` holds the format name and version, the method, bits, requested group
 size and the options it was made with (target, kernel, ...), the model's fingerprint
 (:func:`~devin_compile.quant.calibration.model_fingerprint`), and per linear its shape,
-group size (and why it differs from the requested one), output error and signal.
+group size (and why it differs from the requested one), output error and signal, and estimated
+loss increase (null when the calibration had no output gradients).
 
 :func:`load` checks everything against the model: format and version, fingerprint, every
 tensor present with the shape and dtype the JSON and the model imply, q values in range;
@@ -53,7 +54,7 @@ def save(result: QuantResult, out_dir: str | os.PathLike) -> Path:
         if ql.row_scale is not None:
             tensors[f"{name}.row_scale"] = ql.row_scale.float().clone()
         layers[name] = {"shape": list(ql.shape), "group_size": ql.group_size, "group_note": ql.group_note,
-                        "err": ql.err, "signal": ql.signal,
+                        "err": ql.err, "signal": ql.signal, "loss_delta": ql.loss_delta,
                         "in_scale": ql.in_scale is not None, "row_scale": ql.row_scale is not None}
     for pname, value in result.overrides.items():
         tensors[f"override.{pname}"] = value.contiguous()
@@ -120,8 +121,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
             raise ValueError(f"quantized model {p}: {name} has non-finite scales or zeros")
         s_in = get(f"{name}.in_scale", (k,), torch.float32) if info.get("in_scale") else None
         s_row = get(f"{name}.row_scale", (n,), torch.float32) if info.get("row_scale") else None
+        loss_delta = info.get("loss_delta")
         linears[name] = QLinear(q, scale, minv, g, info.get("group_note", ""), float(info["err"]),
-                                float(info["signal"]), s_in, s_row)
+                                float(info["signal"]), s_in, s_row, None if loss_delta is None else float(loss_delta))
     params = dict(model.named_parameters())
     overrides = {}
     for pname in meta.get("overrides", []):

@@ -14,7 +14,14 @@ another) and of the output head when it is a linear (for ``lm_head=True`` quanti
   ``E‖ΔW x‖² = tr(ΔW H ΔWᵀ)``, which AWQ's searches and the sensitivities use);
 - ``absmean`` [K]: ``mean |x|`` per channel (AWQ's activation scale);
 - which norm module produced the input, when it is a norm's output (the place AWQ folds
-  its scales into).
+  its scales into);
+- ``fisher`` [N] per linear: ``mean (∂ℓ/∂y_j)²`` over the calibration tokens, the squared
+  gradient of the next-token cross-entropy ``ℓ`` (true next tokens) with respect to each
+  output channel ``y_j`` (an empirical-Fisher diagonal, from one backward pass per chunk).
+  With it a quantization error ``ΔW`` is priced in loss, not just in output error:
+  ``Δℓ ≈ ½ Σ_j fisher_j · (ΔW H ΔWᵀ)_jj`` (second order, treating gradient and error as
+  independent), which is what mixed precision ranks linears by. ``fisher=False`` skips the
+  backward pass; older calibration directories have no ``fisher`` and still load.
 
 Saved as ``stats.safetensors`` + ``calib.json`` (no pickle).
 """
@@ -155,6 +162,7 @@ class CalibrationStats:
     seconds: float = 0.0
     data: str = ""
     extra: dict = field(default_factory=dict)
+    fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name → [N] mean (∂ℓ/∂y)²
 
     def save(self, out_dir: str | os.PathLike) -> None:
         from safetensors.torch import save_file
@@ -163,11 +171,12 @@ class CalibrationStats:
         out.mkdir(parents=True, exist_ok=True)
         tensors = {f"{k}.hessian": v.contiguous() for k, v in self.hessian.items()}
         tensors.update({f"{k}.absmean": v.contiguous() for k, v in self.absmean.items()})
+        tensors.update({f"{k}.fisher": v.contiguous() for k, v in self.fisher.items()})
         save_file(tensors, str(out / STATS_FILE))
         meta = {"format": "devin-compile-calibration", "version": FORMAT_VERSION, "inputs": sorted(self.hessian),
                 "linear_input": self.linear_input, "producer": self.producer, "tokens": self.tokens,
                 "num_chunks": self.num_chunks, "chunk_len": self.chunk_len, "fingerprint": self.fingerprint,
-                "seconds": self.seconds, "data": self.data}
+                "seconds": self.seconds, "data": self.data, "fisher": sorted(self.fisher)}
         (out / META_FILE).write_text(json.dumps(meta, indent=1))
 
     @classmethod
@@ -194,14 +203,23 @@ class CalibrationStats:
             kdim = absmean[k].shape[0]
             if tuple(hessian[k].shape) != (kdim, kdim):
                 raise ValueError(f"calibration {p}: {k}.hessian has shape {tuple(hessian[k].shape)}, expected {(kdim, kdim)}")
+        fisher = {}
+        for name in meta.get("fisher", []):
+            if f"{name}.fisher" not in tensors:
+                raise ValueError(f"calibration directory {p} is missing the output-gradient statistics of {name!r}")
+            fisher[name] = tensors[f"{name}.fisher"]
         stats = cls(hessian, absmean, meta["linear_input"], meta["producer"], meta["tokens"], meta["num_chunks"],
-                    meta["chunk_len"], meta["fingerprint"], meta.get("seconds", 0.0), meta.get("data", ""))
+                    meta["chunk_len"], meta["fingerprint"], meta.get("seconds", 0.0), meta.get("data", ""),
+                    fisher=fisher)
         if model is not None:
             check_fingerprint(stats.fingerprint, model, f"calibration {p}")
             lins = quantizable_linears(model, lm_head=output_head(model) is not None)
             for name, key in stats.linear_input.items():
                 if name not in lins or lins[name].in_features != stats.absmean[key].shape[0]:
                     raise ValueError(f"calibration {p}: linear {name!r} does not match the model")
+            for name, f in fisher.items():
+                if name not in lins or tuple(f.shape) != (lins[name].out_features,):
+                    raise ValueError(f"calibration {p}: the output-gradient statistics of {name!r} do not match the model")
         return stats
 
 
@@ -220,8 +238,13 @@ def _norm_producing(x: torch.Tensor, norm_out: dict[int, tuple[torch.Tensor, str
 
 
 def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
-                  progress: Callable[[int, int], None] | None = None, data: str = "") -> CalibrationStats:
-    """Run ``chunks`` through ``model`` and accumulate :class:`CalibrationStats` (see module doc)."""
+                  progress: Callable[[int, int], None] | None = None, data: str = "",
+                  fisher: bool = True) -> CalibrationStats:
+    """Run ``chunks`` through ``model`` and accumulate :class:`CalibrationStats` (see module doc).
+
+    With ``fisher`` each chunk also runs backward from its next-token cross-entropy (sum over
+    positions, so each position's gradient is its own loss's) to gather the output-gradient
+    squares; only activation gradients are computed, the model's parameters get none."""
     if not chunks:
         raise ValueError("calibration needs at least one chunk of tokens")
     t0 = time.perf_counter()
@@ -236,7 +259,9 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
     producer: dict[str, str] = {}
     live: dict[int, tuple[torch.Tensor, str]] = {}  # id(input tensor) → (tensor, key), this chunk only
     norm_out: dict[int, tuple[torch.Tensor, str]] = {}
+    grad_sq: dict[str, torch.Tensor] = {}
     tokens = 0
+    grad_positions = 0
 
     def pre_hook(name):
         def hook(_mod, args):
@@ -269,15 +294,45 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                 norm_out[id(out)] = (out, name)
         return hook
 
+    def grad_hook(name):
+        def on_grad(g):
+            sq = g.detach().reshape(-1, g.shape[-1]).float().pow(2).sum(0)
+            if name in grad_sq:
+                grad_sq[name] += sq
+            else:
+                grad_sq[name] = sq
+
+        def hook(_mod, _args, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(on_grad)
+        return hook
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    start: list[torch.Tensor | None] = [None]
+    fisher = fisher and isinstance(emb, torch.nn.Module)
     handles = [m.register_forward_pre_hook(pre_hook(n)) for n, m in linears.items()]
     handles += [m.register_forward_hook(norm_hook(n)) for n, m in norms.items()]
+    if fisher:
+        handles += [m.register_forward_hook(grad_hook(n)) for n, m in linears.items()]
+        # the gradient starts at the embedding output: activations only, no parameter gradients
+        def emb_hook(_mod, _args, out):
+            start[0] = out.detach().requires_grad_(True)
+            return start[0]
+        handles.append(emb.register_forward_hook(emb_hook))
     device = next(model.parameters()).device
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(fisher):
             for i, chunk in enumerate(chunks):
                 live.clear()
                 norm_out.clear()
-                model(input_ids=chunk.reshape(1, -1).to(device), use_cache=False)
+                ids = chunk.reshape(1, -1).to(device)
+                out = model(input_ids=ids, use_cache=False)
+                if fisher and ids.shape[1] > 1:
+                    loss = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+                    torch.autograd.grad(loss, [start[0]])  # the hooks collect on the way
+                    grad_positions += ids.shape[1] - 1
+                del out
+                start[0] = None
                 tokens += chunk.numel()
                 if progress is not None:
                     progress(i + 1, len(chunks))
@@ -292,5 +347,8 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
     missing = sorted(set(linears) - set(linear_input))
     if missing:
         raise ValueError(f"calibration: {len(missing)} linears never ran on the calibration text, e.g. {missing[:3]}")
+    fisher_stats = {}
+    if fisher and grad_positions and set(grad_sq) == set(linears):
+        fisher_stats = {n: (grad_sq[n] / grad_positions).cpu() for n in linears}
     return CalibrationStats(hessian, absmean, linear_input, producer, tokens, len(chunks), int(chunks[0].numel()),
-                            model_fingerprint(model), time.perf_counter() - t0, data)
+                            model_fingerprint(model), time.perf_counter() - t0, data, fisher=fisher_stats)

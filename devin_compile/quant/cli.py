@@ -22,10 +22,12 @@ def cmd_calibrate(args, load, console) -> int:
     with _progress(console, f"calibrating on {args.chunks} x {args.chunk_len} tokens") as prog:
         task = prog.add_task("calib", total=len(chunks))
         stats = calibration.collect_stats(model, chunks, data=str(args.data or "tinyshakespeare (default)"),
-                                          progress=lambda i, n: prog.update(task, completed=i))
+                                          progress=lambda i, n: prog.update(task, completed=i),
+                                          fisher=not args.no_output_gradients)
     stats.save(args.out)
-    console.print(f"calibration statistics of {len(stats.linear_input)} linears ({len(stats.hessian)} distinct inputs, "
-                  f"{stats.tokens} tokens) in {stats.seconds:.1f} s → {args.out}")
+    grads = ", output gradients" if stats.fisher else ", no output gradients"
+    console.print(f"calibration statistics of {len(stats.linear_input)} linears ({len(stats.hessian)} distinct inputs"
+                  f"{grads}, {stats.tokens} tokens) in {stats.seconds:.1f} s → {args.out}")
     return 0
 
 
@@ -110,6 +112,9 @@ def add_parser(sub, common, load) -> None:
     common(c)
     data_args(c, 16)
     c.add_argument("--out", required=True, help="directory for stats.safetensors + calib.json")
+    c.add_argument("--no-output-gradients", action="store_true",
+                   help="skip the backward pass that gathers output-gradient statistics (mixed precision then ranks "
+                        "linears by relative output error instead of estimated loss increase)")
     c.set_defaults(fn=lambda a: _run(cmd_calibrate, a, load))
 
     r = qs.add_parser("run", help="quantize from calibration statistics; writes safetensors + JSON")

@@ -4,9 +4,12 @@
 runs RTN, AWQ or GPTQ on every decoder linear (all of them are candidates: which ones end
 up INT4 is decided by the ``assign_precision`` pass from the target) and returns a
 :class:`QuantResult`: per linear the logical INT4 weight (:mod:`.int4`), its output error
-``tr(ΔW H ΔWᵀ)`` and signal ``tr(W H Wᵀ)`` on the calibration tokens (their ratio is the
-layer's sensitivity: the relative output error when that layer alone is quantized), and
-for AWQ the scales folded into norms and preceding linears.
+``tr(ΔW H ΔWᵀ)`` and signal ``tr(W H Wᵀ)`` on the calibration tokens (their ratio: the
+relative output error when that layer alone is quantized), its estimated loss increase
+``½ Σ_j fisher_j (ΔW H ΔWᵀ)_jj`` when the calibration has output-gradient statistics
+(:mod:`.calibration`), and for AWQ the scales folded into norms and preceding linears.
+:func:`sensitivity` ranks linears for mixed precision: the estimated loss increase when
+every linear has one, else the relative output error.
 """
 from __future__ import annotations
 
@@ -157,6 +160,7 @@ class QLinear:
     signal: float  # tr(W H Wᵀ)
     in_scale: torch.Tensor | None = None  # AWQ: the quantized weight is W · diag(in_scale)
     row_scale: torch.Tensor | None = None  # AWQ: ... and diag(row_scale) · W (a fold from the next linear)
+    loss_delta: float | None = None  # ½ Σ_j fisher_j (ΔW H ΔWᵀ)_jj: estimated next-token loss increase (nats)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -276,9 +280,16 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
         else:
             q, sc, mn = fmt.rtn_quantize(ws, g)
         dw = fmt.dequantize(q, sc, mn, g) - ws
-        err = float(awq.output_error(dw, h).sum())
+        row_err = awq.output_error(dw, h)
+        err = float(row_err.sum())
         signal = float(awq.output_error(ws, h).sum())
-        linears[n] = QLinear(q, sc, mn, g, why, err, signal, s_in, s_row)
+        loss_delta = None
+        fisher = stats.fisher.get(n)
+        if fisher is not None:
+            # the output rows were scaled by s_row, so their loss gradients by 1 / s_row
+            f = fisher.float() if s_row is None else fisher.float() / s_row.pow(2)
+            loss_delta = 0.5 * float((f * row_err).sum())
+        linears[n] = QLinear(q, sc, mn, g, why, err, signal, s_in, s_row, loss_delta)
         if progress is not None:
             progress(i + 1, len(weights), n)
     changed = sorted({why for _g, why in gsize.values() if why})
@@ -323,6 +334,16 @@ def untie_head(model: torch.nn.Module) -> None:
         head[1].weight = torch.nn.Parameter(head[1].weight.detach().clone(), requires_grad=False)
 
 
+def sensitivity(result: QuantResult, groups: list[list[str]]) -> tuple[list[float], str]:
+    """Per group of linears (computed by one graph linear): the estimated loss increase when
+    that group alone is quantized, if every linear of ``result`` has one (calibration with
+    output-gradient statistics), else the relative output error. Returns (values, kind)."""
+    lins = result.linears
+    if all(ql.loss_delta is not None for ql in lins.values()):
+        return [sum(lins[n].loss_delta for n in g) for g in groups], "loss"
+    return [sum(lins[n].err for n in g) / max(1e-30, sum(lins[n].signal for n in g)) for g in groups], "relative"
+
+
 def resolve_max_kl(model: torch.nn.Module, result: QuantResult, chunks, max_kl: float) -> dict:
     """Turn a ``max_kl`` target into ``keep_fp=N``: the fewest most-sensitive linear groups kept in
     the model dtype for which the eager simulation's mean KL against ``model`` on ``chunks``
@@ -330,8 +351,7 @@ def resolve_max_kl(model: torch.nn.Module, result: QuantResult, chunks, max_kl: 
     from .evaluate import compare, hf_logits_fn, reference_logits
 
     groups = result.groups or [[n] for n in result.linears]
-    sens = [sum(result.linears[n].err for n in g) / max(1e-30, sum(result.linears[n].signal for n in g))
-            for g in groups]
+    sens, _kind = sensitivity(result, groups)
     order = sorted(range(len(groups)), key=lambda i: -sens[i])
     ref = reference_logits(hf_logits_fn(model), chunks)
 
