@@ -120,7 +120,8 @@ def quality(args, out: dict) -> None:
     rows[-2]["kept_fp"] = [r["linear"] for r in kept]
     rows[-2]["sensitivity_kind"] = table[0]["sensitivity_kind"]
     # the same pass ranking by relative output error (what it does without output gradients)
-    rel = dataclasses.replace(_res, linears={n: dataclasses.replace(q, loss_delta=None) for n, q in _res.linears.items()})
+    rel = dataclasses.replace(_res, linears={n: dataclasses.replace(q, loss_delta=None)
+                                             for n, q in _res.linears.items()})
     path_rel = os.path.join(work, f"{best}-g{args.group_size}-relative")
     artifact.save(rel, path_rel)
     opt = evaluate(f"{best} g{args.group_size} mixed int4_fraction=0.8, relative-error ranking", path_rel,

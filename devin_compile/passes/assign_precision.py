@@ -264,8 +264,8 @@ class AssignPrecision(Pass):
             rows.append({"linear": _label(c.names), "graph_node": node.name, "precision": "int4" if i in chosen
                          else str(dtype).replace("torch.", ""), "bits": bits,
                          "group_size": c.group_size if i in chosen else None, "group_note": why,
-                         "sensitivity": c.sensitivity, "sensitivity_kind": sens_kind, "bytes": c.int4_bytes if i in chosen else c.fp_bytes,
-                         "params": c.params})
+                         "sensitivity": c.sensitivity, "sensitivity_kind": sens_kind,
+                         "bytes": c.int4_bytes if i in chosen else c.fp_bytes, "params": c.params})
         self._apply_overrides(gm)
         removed = eliminate_dead_code(gm)
         ctx.extras["precision_table"] = rows

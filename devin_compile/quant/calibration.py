@@ -219,7 +219,8 @@ class CalibrationStats:
                     raise ValueError(f"calibration {p}: linear {name!r} does not match the model")
             for name, f in fisher.items():
                 if name not in lins or tuple(f.shape) != (lins[name].out_features,):
-                    raise ValueError(f"calibration {p}: the output-gradient statistics of {name!r} do not match the model")
+                    raise ValueError(f"calibration {p}: the output-gradient statistics of {name!r} do not match "
+                                     "the model")
         return stats
 
 
@@ -348,6 +349,7 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
     if missing:
         raise ValueError(f"calibration: {len(missing)} linears never ran on the calibration text, e.g. {missing[:3]}")
     fisher_stats = {}
+    # all or nothing: a ranking that mixed loss estimates with missing ones would mean nothing
     if fisher and grad_positions and set(grad_sq) == set(linears):
         fisher_stats = {n: (grad_sq[n] / grad_positions).cpu() for n in linears}
     return CalibrationStats(hessian, absmean, linear_input, producer, tokens, len(chunks), int(chunks[0].numel()),
