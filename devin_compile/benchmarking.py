@@ -61,10 +61,13 @@ def time_devin_decode(opt, prompt_ids: list[int], new_tokens: int, repeats: int 
     return time_devin_decodes({name: opt}, prompt_ids, new_tokens, repeats)[0]
 
 
-def time_devin_decodes(opts: dict, prompt_ids: list[int], new_tokens: int, repeats: int = 3) -> list[DecodeTiming]:
+def time_devin_decodes(opts: dict, prompt_ids: list[int], new_tokens: int, repeats: int = 3,
+                       others: dict | None = None) -> list[DecodeTiming]:
     """Several ``OptimizedModel``s (``{name: opt}``) timed like :func:`time_devin_decode`, with
     their repeats interleaved (A, B, A, B, ...) so a ratio between them is not skewed by the
-    machine's load drifting between one's repeats and the other's."""
+    machine's load drifting between one's repeats and the other's. ``others`` (``{name: fn}``,
+    e.g. a peer engine) join the rotation: each call of ``fn()`` runs one repeat and returns
+    its decode tokens/s (their rows have no TTFT or tokens)."""
     from .runtime.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -82,5 +85,8 @@ def time_devin_decodes(opts: dict, prompt_ids: list[int], new_tokens: int, repea
             ttfts[name].append(m.ttft)
             rates[name].append((new_tokens - 1) / max(m.finished - m.first_token, 1e-9))
             tokens[name] = out.output_ids
+        for name, fn in (others or {}).items():
+            rates.setdefault(name, []).append(float(fn()))
     return [DecodeTiming(name, statistics.median(rates[name]), statistics.median(ttfts[name]), tokens[name])
-            for name in opts]
+            for name in opts] + [DecodeTiming(name, statistics.median(rates[name]), float("nan"), [])
+                                 for name in (others or {})]
