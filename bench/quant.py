@@ -198,7 +198,7 @@ def speed(args, out: dict) -> None:
     else:
         res["llama.cpp"] = "not installed (no llama-bench on PATH, no llama_cpp module: pip install llama-cpp-python)"
     if isinstance(res["llama.cpp"], dict):
-        best = max(rows[2:7], key=lambda r: r.decode_tok_s)
+        best = max((r for r in rows[1:7] if "INT4" in r.name), key=lambda r: r.decode_tok_s)
         res["best_int4_vs_llama.cpp"] = best.decode_tok_s / res["llama.cpp"]["decode_tok_s"]
         res["best_int4_row"] = best.name
         log(f"llama.cpp ({res['llama.cpp']['via']}, {res['llama.cpp']['gguf']}): "
