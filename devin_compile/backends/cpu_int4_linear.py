@@ -17,12 +17,12 @@ format of :mod:`devin_compile.quant.int4`):
 - ``scales`` float32 ``[N, G, 2]``: ``(scale, minv)``, so ``w = q * scale + minv``.
 
 Group sizes 32, 64 and 128. Activations may be float32, bf16 or
-fp16; the output has x's dtype. Float32 arithmetic throughout.
-
-``int8_activations=True`` (the ``"cpu_c_a8"`` kernel, same layout): each group of x is rounded
-to int8 on the fly (``dx = max|x| / 127``) and a group's dot product is an exact integer sum
-(AVX2 ``maddubs``/``madd``), as llama.cpp's Q4 × Q8 products do: ~1.5-2x faster at one row on
-this CPU, at the cost of the activation rounding (oracle: ``backends.int4.reference_int4_a8_mm``).
+fp16; the output has x's dtype. Float32 arithmetic, except that bf16/fp16 activations at one
+row (batch-1 decode steps) are rounded per group to int16 (``dx = max|x| / 32767``, an error of at
+most ``max|x| / 65534`` per element, below the bf16 rounding of x itself) so that each group's
+``Σ q·x`` is an exact integer sum (AVX2 ``madd``): ~1.5x the float path's speed there, which is
+bound by one int→float convert and one FMA per 8 weights. :func:`int16_reference` is that
+path's oracle; ``float_path=True`` forces the float path.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ _i = ctypes.c_int
 _ARGS = [_p, _i64, _i, _i, _i, _p, _p, _i, _i, _i, _p, _i64]  # x .. out_stride (shared by both entry points)
 
 
-_KERNEL = CKernel("cpu_int4_linear.c", {"devin_int4_linear": [*_ARGS, _i], "devin_int4_linear_scalar": _ARGS,
-                                         "devin_int4_linear_a8": [*_ARGS, _i], "devin_int4_linear_a8_scalar": _ARGS})
+_KERNEL = CKernel("cpu_int4_linear.c", {"devin_int4_linear": [*_ARGS, _i], "devin_int4_linear_float": [*_ARGS, _i],
+                                         "devin_int4_linear_scalar": _ARGS})
 
 
 def load() -> ctypes.CDLL | None:
@@ -77,12 +77,27 @@ def unpack(qweight: torch.Tensor, k: int) -> torch.Tensor:
     return q.reshape(n, half * 2)[:, :k]
 
 
+def int16_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    """Float32 oracle of the int16-activation path on the logical format (x [m, K]; q, scale,
+    minv as :func:`pack` takes them): ``round16(x) @ (q·scale)ᵀ + x @ minvᵀ``, where round16
+    rounds each group of x to ``dx · round(x / dx)``, ``dx = max|x| / 32767``, as the C code does."""
+    m, k = x.shape
+    kp = fmt.padded_k(k, group_size)
+    xg = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, kp // group_size, group_size)
+    dx = xg.abs().amax(dim=-1, keepdim=True) / 32767.0
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    xr = ((xg * inv).round().clamp(-32767, 32767) * dx).view(m, kp)[:, :k]
+    qs = q.float() * scale.float().repeat_interleave(group_size, 1)[:, :k]
+    return xr @ qs.t() + x.float() @ minv.float().repeat_interleave(group_size, 1)[:, :k].t()
+
+
 def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, n: int,
-            scalar: bool = False, int8_activations: bool = False) -> torch.Tensor:
+            scalar: bool = False, float_path: bool = False) -> torch.Tensor:
     """``x [..., K] @ dequant(W)ᵀ`` → [..., n] in x's dtype. ``scalar``: the portable path only
-    (what machines without AVX2 run; tests compare the two). ``int8_activations``: x rounded to
-    int8 per group first (module docstring). The op's C++ kernel (:mod:`.cpu_int4_op`) serves
-    the per-step calls where it is built; this is the Python path."""
+    (what machines without AVX2 run; tests compare the two); ``float_path``: never the int16
+    activations. The op's C++ kernel (:mod:`.cpu_int4_op`) serves the per-step calls where it is
+    built; this is the Python path."""
     lib = load()
     if lib is None:
         raise RuntimeError("the C int4 kernel is unavailable on this machine (see the log); use kernel='cpu'")
@@ -94,9 +109,9 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_
     args = (x.data_ptr(), k, m, k, _DTYPES[x.dtype], qweight.data_ptr(), scales.data_ptr(), n, scales.shape[1],
             group_size, out.data_ptr(), n)
     if scalar:
-        rc = (lib.devin_int4_linear_a8_scalar if int8_activations else lib.devin_int4_linear_scalar)(*args)
+        rc = lib.devin_int4_linear_scalar(*args)
     else:
-        rc = (lib.devin_int4_linear_a8 if int8_activations else lib.devin_int4_linear)(*args, torch.get_num_threads())
+        rc = (lib.devin_int4_linear_float if float_path else lib.devin_int4_linear)(*args, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"the C int4 kernel rejected its arguments (code {rc}): x {tuple(x.shape)}, "
                            f"qweight {tuple(qweight.shape)}, group size {group_size}")

@@ -1,10 +1,10 @@
-// A C++ CPU kernel for devin::int4_linear's "cpu_c" / "cpu_c_a8" calls, so they skip Python entirely.
+// A C++ CPU kernel for devin::int4_linear's "cpu_c" calls, so they skip Python entirely.
 //
 // Built and loaded by cpu_int4_op.py (the system C++ compiler against torch's headers, linked
 // with cpu_int4_linear.c). At batch-1 decode the op runs 120 times a step for SmolLM2, and a
 // Python kernel costs ~16 us of dispatch and argument handling per call on this CPU against
 // ~15-70 us of work; this kernel costs a few. It handles exactly the calls the C int4 kernel
-// serves (kernel "cpu_c" or "cpu_c_a8", a step at or below max_int4_tokens when a dense copy exists, no bias,
+// serves (kernel "cpu_c", a step at or below max_int4_tokens when a dense copy exists, no bias,
 // contiguous x in float32/bf16/fp16) and redispatches every other call to the op's Python
 // kernel (CompositeExplicitAutograd), which implements all of them; both give the same result.
 #include <ATen/Parallel.h>
@@ -19,9 +19,6 @@
 extern "C" int devin_int4_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
                                  const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride,
                                  int num_threads);
-extern "C" int devin_int4_linear_a8(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
-                                    const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride,
-                                    int num_threads);
 
 namespace {
 
@@ -46,8 +43,7 @@ at::Tensor int4_linear_cpu(const at::Tensor &x, const at::Tensor &qweight, const
     const int64_t rows = k ? x.numel() / k : 0;
     const int code = dtype_code(x.scalar_type());
     const bool to_dense = dense.has_value() && max_int4_tokens >= 0 && rows > max_int4_tokens;
-    const bool a8 = kernel == "cpu_c_a8";
-    if ((kernel != "cpu_c" && !a8) || to_dense || bias.has_value() || code < 0 || k == 0 || !x.is_contiguous() ||
+    if (kernel != "cpu_c" || to_dense || bias.has_value() || code < 0 || k == 0 || !x.is_contiguous() ||
         scales.dim() != 3 || scales.scalar_type() != c10::ScalarType::Float || !scales.is_contiguous() ||
         qweight.scalar_type() != c10::ScalarType::Byte || !qweight.is_contiguous()) {
         static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("devin::int4_linear", "").typed<Signature>();
@@ -57,7 +53,7 @@ at::Tensor int4_linear_cpu(const at::Tensor &x, const at::Tensor &qweight, const
     auto sizes = x.sizes().vec();
     sizes.back() = out_features;
     at::Tensor out = at::empty(sizes, x.options());
-    const int rc = (a8 ? devin_int4_linear_a8 : devin_int4_linear)(x.data_ptr(), k, (int)rows, (int)k, code, qweight.data_ptr<uint8_t>(),
+    const int rc = devin_int4_linear(x.data_ptr(), k, (int)rows, (int)k, code, qweight.data_ptr<uint8_t>(),
                                      scales.data_ptr<float>(), (int)out_features, (int)scales.size(1),
                                      (int)group_size, out.data_ptr(), out_features, at::get_num_threads());
     TORCH_CHECK(rc == 0, "the C int4 kernel rejected its arguments (code ", rc, "): x ", x.sizes(), ", qweight ",

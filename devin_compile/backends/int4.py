@@ -10,11 +10,9 @@ Four kernels, named by the op's ``kernel`` argument:
   machine) and slow above ~4 tokens, where the bf16 GEMM uses the CPU's matrix units, and
   very slow for fp32 activations (no vectorised fp32 path: ~50x oneDNN fp32).
 - ``"cpu_c"``: devin-compile's own C kernel (:mod:`.cpu_int4_linear`): streams 4-bit weights
-  at a few rows for float32, bf16 and fp16 activations alike; the CPU default where a C
+  at a few rows for float32, bf16 and fp16 activations alike (one row of bf16/fp16: integer dot
+  products over x rounded per group to int16); the CPU default where a C
   compiler is found.
-- ``"cpu_c_a8"``: the same C kernel and layout with activations rounded to int8 per group on
-  the fly (integer dot products, as llama.cpp's Q4 x Q8: ~1.5-2x faster at one token, at the
-  cost of that rounding; :func:`reference_int4_a8_mm` is its oracle). Opt-in.
 - ``"triton"``: a dequantize-GEMM (:mod:`.int4_triton`) that reads the stored nibble
   layout directly; CUDA, or CPU under ``TRITON_INTERPRET=1`` (tests).
 
@@ -31,8 +29,7 @@ import torch
 from ..quant import int4 as fmt
 from . import cpu_int4_linear, cpu_int4_op
 
-KERNELS = ("reference", "cpu", "cpu_c", "cpu_c_a8", "triton")
-C_KERNELS = ("cpu_c", "cpu_c_a8")  # devin-compile's C kernel (one layout), without / with int8 activations
+KERNELS = ("reference", "cpu", "cpu_c", "triton")
 
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -48,7 +45,7 @@ def triton_available(device: torch.device) -> bool:
 def cpu_kernel_fast(kernel: str, dtype: torch.dtype) -> bool:
     """Whether CPU int4 ``kernel`` beats dense linears at a few tokens for ``dtype`` activations:
     aten's only for half precision, the C kernel for all three."""
-    return kernel in C_KERNELS or dtype in (torch.bfloat16, torch.float16)
+    return kernel == "cpu_c" or dtype in (torch.bfloat16, torch.float16)
 
 
 def default_cpu_kernel() -> str:
@@ -62,7 +59,7 @@ def prepare(kernel: str, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tenso
     if kernel == "cpu":
         packed, sz = fmt.pack_for_cpu(q, scale, minv, group_size, dtype)
         return packed.to(device), sz.to(device)
-    if kernel in C_KERNELS:
+    if kernel == "cpu_c":
         cpu_int4_op.load()  # the op's C++ CPU kernel, for the per-step calls (falls back to Python)
         qw, scales = cpu_int4_linear.pack(q, scale, minv, group_size)
         return qw.to(device), scales.to(device)
@@ -85,30 +82,6 @@ def reference_int4_mm(x2: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor,
     z = sz[:, :n, 1].t().float().repeat_interleave(group_size, 1)
     w = (q - 8) * s + z
     return (_pad_k(x2, kp).float() @ w.t()).to(x2.dtype)
-
-
-def quantize_activations(x2: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x2 [m, K] float → what "cpu_c_a8" multiplies by: per group of ``group_size`` columns,
-    ``round(x / dx) * dx`` with ``dx = max|x| / 127`` (float32; the C kernel's rounding exactly)."""
-    m, k = x2.shape
-    kp = -(-k // group_size) * group_size
-    xg = _pad_k(x2.float(), kp).view(m, kp // group_size, group_size)
-    dx = xg.abs().amax(dim=-1, keepdim=True) / 127.0
-    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
-    return ((xg * inv).round().clamp(-127, 127) * dx).view(m, kp)
-
-
-def reference_int4_a8_mm(x2: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, group_size: int,
-                         n: int) -> torch.Tensor:
-    """The oracle of "cpu_c_a8" (reference layout): ``xq @ (q·scale)ᵀ + x @ minvᵀ``, xq from
-    :func:`quantize_activations` (the zero-point term takes the unrounded x, as the kernel does)."""
-    kp = sz.shape[0] * group_size
-    q = fmt.unpack_nibbles(qweight, kp)[:n].float()
-    s = sz[:, :n, 0].t().float().repeat_interleave(group_size, 1)
-    z = sz[:, :n, 1].t().float().repeat_interleave(group_size, 1)
-    minv = z - 8 * s  # the stored zero is minv + 8·scale: w = (q - 8)·s + zero = q·s + minv
-    xq = quantize_activations(x2, group_size)
-    return (xq @ (q * s).t() + _pad_k(x2, kp).float() @ minv.t()).to(x2.dtype)
 
 
 def cpu_int4_mm(x2: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
@@ -137,12 +110,7 @@ def triton_int4_mm(x2: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, gr
     return y
 
 
-def _cpu_c_a8_mm(x2, qweight, sz, group_size, n):
-    return cpu_int4_linear.int4_mm(x2, qweight, sz, group_size, n, int8_activations=True)
-
-
-_RUN = {"reference": reference_int4_mm, "cpu": cpu_int4_mm, "cpu_c": cpu_int4_linear.int4_mm, "cpu_c_a8": _cpu_c_a8_mm,
-        "triton": triton_int4_mm}
+_RUN = {"reference": reference_int4_mm, "cpu": cpu_int4_mm, "cpu_c": cpu_int4_linear.int4_mm, "triton": triton_int4_mm}
 
 
 def run(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, out_features: int,

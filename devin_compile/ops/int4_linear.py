@@ -7,7 +7,7 @@ Schema::
                        int max_int4_tokens=-1, str dense_kernel="linear") -> Tensor
 
 ``x`` [..., K] → [..., out_features] in x's dtype. ``qweight``/``scales_zeros`` are in the
-layout of ``kernel`` (``"reference" | "cpu" | "cpu_c" | "cpu_c_a8" | "triton"``, see
+layout of ``kernel`` (``"reference" | "cpu" | "cpu_c" | "triton"``, see
 :mod:`devin_compile.backends.int4`; the format contract is in :mod:`devin_compile.quant.int4`).
 
 Kernel choice by the number of tokens in the step: when ``dense`` is given (the weight
@@ -77,10 +77,7 @@ def reference_int4_linear(x: torch.Tensor, operands: tuple) -> torch.Tensor:
         kp = sz.shape[0] * group_size
         qw = fmt.pack_nibbles(fmt.unpack_cpu(qw, qw.shape[0], kp))
         sz = sz[:, :n]
-    elif kernel in kernels.C_KERNELS:
+    elif kernel == "cpu_c":
         qw = fmt.pack_nibbles(kernels.cpu_int4_linear.unpack(qw, sz.shape[1] * group_size))
         sz = fmt.scales_zeros(sz[..., 0], sz[..., 1], torch.float32)  # the kernel keeps fp32 scales
-    if kernel == "cpu_c_a8":  # the same activation rounding as the kernel
-        y = kernels.reference_int4_a8_mm(x.reshape(-1, x.shape[-1]), qw, sz, group_size, n)
-        return y.reshape(*x.shape[:-1], n)
     return kernels.run(x, qw, sz, group_size, n, "reference")

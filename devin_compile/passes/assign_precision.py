@@ -63,7 +63,7 @@ SENSITIVITY_KINDS = {"loss": "estimated loss increase (output-gradient weighted)
 def max_int4_tokens(kernel: str, dtype: torch.dtype) -> int:
     """Steps of more tokens than this use the dense copy: the measured crossover of CPU int4
     ``kernel`` against the dense path this CPU takes for ``dtype`` (see quant/quantize.py)."""
-    if kernel in kernels.C_KERNELS:
+    if kernel == "cpu_c":
         dense = "onednn" if prepack_supported(dtype) else "upcast"
         return C_MAX_INT4_TOKENS[(dense, "fp32" if dtype == torch.float32 else "half")]
     if not kernels.cpu_kernel_fast(kernel, dtype):
@@ -163,11 +163,11 @@ class AssignPrecision(Pass):
         if kernel == "triton" and not kernels.triton_available(device):
             raise ValueError(f"int4 kernel 'triton' is not available on {device} (needs triton; on CPU only "
                              "under TRITON_INTERPRET=1)")
-        if kernel in ("cpu", *kernels.C_KERNELS) and device.type != "cpu":
+        if kernel in ("cpu", "cpu_c") and device.type != "cpu":
             raise ValueError(f"int4 kernel {kernel!r} runs on CPU tensors, the model is on {device}")
-        if kernel in kernels.C_KERNELS and not kernels.cpu_int4_linear.available():
-            raise ValueError(f"int4 kernel {kernel!r} needs a working C compiler (set CC); use kernel='cpu' (aten's)")
-        dense = cfg.dense_prefill and kernel in ("cpu", *kernels.C_KERNELS)
+        if kernel == "cpu_c" and not kernels.cpu_int4_linear.available():
+            raise ValueError("int4 kernel 'cpu_c' needs a working C compiler (set CC); use kernel='cpu' (aten's)")
+        dense = cfg.dense_prefill and kernel in ("cpu", "cpu_c")
         if cfg.max_int4_tokens is not None:
             limit = cfg.max_int4_tokens
         elif dense:

@@ -26,7 +26,7 @@ from .calibration import CalibrationStats, model_fingerprint, output_head, quant
 
 METHODS = ("rtn", "awq", "gptq")
 TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep", "max_kl")
-INT4_KERNELS = ("auto", "cpu", "cpu_c", "cpu_c_a8", "reference", "triton")
+INT4_KERNELS = ("auto", "cpu", "cpu_c", "reference", "triton")
 # Keys that only steer how an already quantized model is compiled; the rest fix the weights.
 RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill")
 # Measured crossover (bench/quant.py --parts kernels: SmolLM2's 120 decoder linears, bf16,
@@ -105,8 +105,7 @@ class QuantConfig:
     calib_chunks: int = 16
     calib_len: int = 512
     data: str | None = None  # calibration text (default: ../shared/data/tinyshakespeare.txt)
-    kernel: str = "auto"  # auto: "cpu_c" on CPU (aten's "cpu" without a C compiler), "triton" on CUDA;
-    # "cpu_c_a8": the C kernel with activations rounded to int8 per group (faster, slightly less exact)
+    kernel: str = "auto"  # auto: "cpu_c" on CPU (aten's "cpu" without a C compiler), "triton" on CUDA
     max_int4_tokens: int | None = None  # steps above this many tokens use the dense copy
     dense_prefill: bool = True  # keep a dense (dequantized) copy for steps above max_int4_tokens
     # also quantize the output head (lm_head; untied from a tied embedding, which stays in the model dtype)
