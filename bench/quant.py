@@ -165,7 +165,7 @@ def speed(args, out: dict) -> None:
     rows = [time_hf_decode(model, ids, args.new_tokens, args.repeats)]
     notes = {}
     llama = shutil.which("llama-bench")
-    peer = None  # llama.cpp through its bindings: one more engine in the compile_decode rotation
+    peer = None  # llama.cpp through its bindings: one more engine in each rotation
     if llama is None and importlib.util.find_spec("llama_cpp") is not None:
         peer = _llama_cpp_python(tok, ids, args)
     rotations = {}  # rotation ("eager" / "compile_decode") → its rows' names
@@ -216,7 +216,8 @@ def speed(args, out: dict) -> None:
             log(f"{rot}: best devin INT4 ({best}) / llama.cpp in the same rotation: {tok_s[best] / ref:.2f}x")
     log(f"INT4 / bf16 decode: {res['int4_vs_bf16']:.2f}x (default), {res['int4_vs_bf16_compile_decode']:.2f}x "
         f"(both compile_decode); with an INT4 lm_head {res['int4_lm_head_vs_bf16']:.2f}x / "
-        f"{res['int4_lm_head_vs_bf16_compile_decode']:.2f}x; best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; llama.cpp: {res['llama.cpp']}")
+        f"{res['int4_lm_head_vs_bf16_compile_decode']:.2f}x; best INT4 / HF eager: {res['int4_vs_hf']:.2f}x; "
+        f"llama.cpp: {res['llama.cpp']}")
     out["speed"] = {"dtype": "bfloat16", "prompt_tokens": len(ids), "new_tokens": args.new_tokens,
                     "repeats": args.repeats, **res}
 

@@ -25,8 +25,8 @@
  *
  * bf16/fp16 activations at one row (batch-1 decode) take integer dot products instead
  * (see "int16 activations" below): each group of x is rounded to int16 against its largest
- * |x| (an error of at most max|x| / 65534 per element, below the bf16 rounding of x and of the
- * output), and a group's sum of q * x is exact in int32. Float32 activations always take the
+ * |x| (an error of at most max|x| / 65534 per element, below bf16's own rounding of the group's
+ * larger elements and of the output), and a group's sum of q * x is exact in int32. Float32 activations always take the
  * float path.
  */
 #include <stdint.h>
@@ -127,7 +127,6 @@ static int bad_args(int m, int n, int k, int groups, int group_size) {
     return m < 0 || n < 0 || (group_size != 32 && group_size != 64 && group_size != 128) || kp < k ||
            kp - k >= group_size;
 }
-
 
 /* ---- int16 activations ---------------------------------------------------------------------
  *

@@ -19,9 +19,10 @@ format of :mod:`devin_compile.quant.int4`):
 Group sizes 32, 64 and 128. Activations may be float32, bf16 or
 fp16; the output has x's dtype. Float32 arithmetic, except that bf16/fp16 activations at one
 row (batch-1 decode steps) are rounded per group to int16 (``dx = max|x| / 32767``, an error of at
-most ``max|x| / 65534`` per element, below the bf16 rounding of x itself) so that each group's
-``Σ q·x`` is an exact integer sum (AVX2 ``madd``): ~1.5x the float path's speed there, which is
-bound by one int→float convert and one FMA per 8 weights. :func:`int16_reference` is that
+most ``max|x| / 65534`` per element, below bf16's own rounding of the group's larger elements and
+of the output) so that each group's ``Σ q·x`` is an exact integer sum (AVX2 ``madd``): ~1.5x the
+float path's speed with the weights in cache, ~10% with them streamed from memory (the float path
+spends one int→float convert and one FMA per 8 weights). :func:`int16_reference` is that
 path's oracle; ``float_path=True`` forces the float path.
 """
 from __future__ import annotations
