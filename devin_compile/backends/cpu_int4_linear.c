@@ -139,16 +139,15 @@ static int bad_args(int m, int n, int k, int groups, int group_size) {
  *
  * xq order, per unit: the unpacks leave the bytes of lo/hi in the order [0..7, 16..23] (unpacklo)
  * and [8..15, 24..31] (unpackhi); byte p = 4i + b of a weight lane vector holds column 16b + i
- * (lo) or 16b + 8 + i (hi). So xq[64u + 16v + e] is column a16_column(v, e) of unit u, for the
+ * (lo) or 16b + 8 + i (hi). So column c of unit u sits at xq[64u + int16_slot(c)], in one of the
  * four int16 vectors v = 2 * (hi) + (unpackhi). madd sums elements (2j, 2j+1), which share b / 2,
  * so for group size 32 the even int32 lanes are the unit's first group and the odd lanes its second.
+ * One row only: at 2 rows the float path's 2-row tile was measured as fast.
  */
-#define A16_MAX_ROWS 1 /* measured: at 2 rows the float path's 2-row tile is as fast */
-
 #ifdef HAVE_AVX2
-static inline int a16_column(int v, int e) {
-    const int p = (v & 1 ? 8 : 0) + (e < 8 ? e : 8 + e);
-    return 16 * (p % 4) + 8 * (v >> 1) + p / 4;
+static inline int int16_slot(int c) { /* c: column within a unit, 0..63 */
+    const int b = c / 16, h = (c % 16) / 8, i = c % 8, p = 4 * i + b;
+    return 16 * (2 * h + (p % 16) / 8) + p % 8 + (p >= 16 ? 8 : 0);
 }
 
 /* One row of x (float, zero-padded to kq) -> xq [kq] int16 in the order above (0 past the
@@ -156,9 +155,6 @@ static inline int a16_column(int v, int e) {
  * (scale, minv) pairs of a weight row). */
 static void quantize_x_int16(const float *restrict xr, int64_t kq, int groups, int gs, int16_t *restrict xq,
                              float *restrict dx, float *restrict xsum2) {
-    int slot[64];
-    for (int v = 0; v < 4; v++)
-        for (int e = 0; e < 16; e++) slot[a16_column(v, e)] = 16 * v + e;
     memset(xq, 0, (size_t)kq * sizeof(int16_t));
     for (int g = 0; g < groups; g++) {
         float amax = 0.0f, sum = 0.0f;
@@ -173,12 +169,12 @@ static void quantize_x_int16(const float *restrict xr, int64_t kq, int groups, i
         const float inv = dx[g] > 0.0f ? 1.0f / dx[g] : 0.0f;
         for (int c = g * gs; c < (g + 1) * gs; c++) {
             const float q = nearbyintf(xr[c] * inv); /* round half to even, as torch.round */
-            xq[64 * (c / 64) + slot[c % 64]] = (int16_t)(q > 32767.0f ? 32767.0f : q < -32767.0f ? -32767.0f : q);
+            xq[64 * (c / 64) + int16_slot(c % 64)] = (int16_t)(q > 32767.0f ? 32767.0f : q < -32767.0f ? -32767.0f : q);
         }
     }
 }
 
-/* x . w_row for one row of x in int16 form; GS is a compile-time constant per instantiation. */
+/* x . w_row for x in int16 form; GS is a compile-time constant per instantiation. */
 static inline __attribute__((always_inline)) float dot_int16(const uint8_t *restrict wrow, const float *restrict szrow,
                                                              int groups, const int16_t *restrict xq, int64_t kq,
                                                              const float *restrict dx, const float *restrict xsum2,
@@ -225,23 +221,20 @@ static inline __attribute__((always_inline)) float dot_int16(const uint8_t *rest
     return hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), z)) + tail;
 }
 
-static int int4_linear_int16(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
-                             const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride,
-                             int num_threads) {
+static int int4_linear_int16(const void *x, int k, int dtype, const uint8_t *qw, const float *sz, int n,
+                             int groups, int group_size, void *out, int num_threads) {
     const int64_t kq = ((int64_t)groups * group_size + 63) / 64 * 64;
-    float *xf = aligned_alloc(64, (size_t)((kq + 3 * m * groups) * sizeof(float) + 63) / 64 * 64);
-    int16_t *xq = aligned_alloc(64, (size_t)(m * kq * sizeof(int16_t) + 63) / 64 * 64);
+    float *xf = aligned_alloc(64, (size_t)((kq + 3 * groups) * sizeof(float) + 63) / 64 * 64);
+    int16_t *xq = aligned_alloc(64, (size_t)(kq * sizeof(int16_t) + 63) / 64 * 64);
     if (!xf || !xq) {
         free(xf);
         free(xq);
         return -2;
     }
-    float *dx = xf + kq, *xsum2 = dx + m * groups;
-    for (int r = 0; r < m; r++) {
-        load_row(x, r * x_stride, dtype, k, xf);
-        memset(xf + k, 0, (size_t)(kq - k) * sizeof(float));
-        quantize_x_int16(xf, kq, groups, group_size, xq + r * kq, dx + r * groups, xsum2 + 2 * r * groups);
-    }
+    float *dx = xf + kq, *xsum2 = dx + groups;
+    load_row(x, 0, dtype, k, xf);
+    memset(xf + k, 0, (size_t)(kq - k) * sizeof(float));
+    quantize_x_int16(xf, kq, groups, group_size, xq, dx, xsum2);
     const int tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tasks > 1)
     for (int task = 0; task < tasks; task++) {
@@ -249,14 +242,10 @@ static int int4_linear_int16(const void *x, int64_t x_stride, int m, int k, int 
         for (int j = task * ROWS_PER_TASK; j < n1; j++) {
             const uint8_t *wrow = qw + (int64_t)j * (kq / 2);
             const float *szrow = sz + (int64_t)j * groups * 2;
-            for (int r = 0; r < m; r++) {
-                const int16_t *xr = xq + r * kq;
-                const float *d = dx + r * groups, *s2 = xsum2 + 2 * r * groups;
-                const float v = group_size == 32   ? dot_int16(wrow, szrow, groups, xr, kq, d, s2, 32)
-                                : group_size == 64 ? dot_int16(wrow, szrow, groups, xr, kq, d, s2, 64)
-                                                   : dot_int16(wrow, szrow, groups, xr, kq, d, s2, 128);
-                store_value(out, r * out_stride + j, dtype, v);
-            }
+            const float v = group_size == 32   ? dot_int16(wrow, szrow, groups, xq, kq, dx, xsum2, 32)
+                            : group_size == 64 ? dot_int16(wrow, szrow, groups, xq, kq, dx, xsum2, 64)
+                                               : dot_int16(wrow, szrow, groups, xq, kq, dx, xsum2, 128);
+            store_value(out, j, dtype, v);
         }
     }
     free(xf);
@@ -266,8 +255,9 @@ static int int4_linear_int16(const void *x, int64_t x_stride, int m, int k, int 
 #endif
 
 /* The float path (any dtype, any row count). */
-static int int4_linear_float(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw, const float *sz,
-                      int n, int groups, int group_size, void *out, int64_t out_stride, int num_threads) {
+static int int4_linear_float(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
+                             const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride,
+                             int num_threads) {
     const int64_t kp = (int64_t)groups * group_size, kq = (kp + 63) / 64 * 64;
     float *xs = aligned_alloc(64, (size_t)(((m * (kq + groups) * sizeof(float)) + 63) / 64 * 64));
     if (!xs) return -2;
@@ -323,9 +313,8 @@ int devin_int4_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
     if (bad_args(m, n, k, groups, group_size)) return -1;
     if (m == 0 || n == 0) return 0;
 #ifdef HAVE_AVX2
-    if (dtype != DT_F32 && m <= A16_MAX_ROWS)
-        return int4_linear_int16(x, x_stride, m, k, dtype, qw, sz, n, groups, group_size, out, out_stride,
-                                 num_threads);
+    if (dtype != DT_F32 && m == 1)
+        return int4_linear_int16(x, k, dtype, qw, sz, n, groups, group_size, out, num_threads);
 #endif
     return int4_linear_float(x, x_stride, m, k, dtype, qw, sz, n, groups, group_size, out, out_stride, num_threads);
 }
