@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 VOCAB = 256
 BOS, EOS, PAD = 1, 2, 0
@@ -117,10 +119,18 @@ UNSUPPORTED: dict[str, tuple] = {
                     "chunked attention"),
     "mpt": ("mpt", dict(d_model=64, n_heads=4, n_layers=2), "eager", "UnsupportedModelError",
             r"neither causal nor a causal sliding window", "ALiBi folded into the mask"),
-    "falcon_new_arch": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2), "sdpa", "PassError",
-                        r"KV heads", "GQA repeated by broadcast_to in [T, Hkv, G, D] layout before the transpose"),
     "mamba": ("mamba", {}, "eager", "UnsupportedModelError", r"could not capture", "no attention (state-space model)"),
 }
+
+# Falcon's new decoder architecture (GQA): before transformers 5.25 its attention repeats the KV
+# heads by broadcast_to in a [T, Hkv, G, D] layout before the transpose, which capture refuses;
+# 5.25 moved it onto the shared attention interface, which compiles and must then match HF.
+_FALCON_NEW_ARCH = dict(new_decoder_architecture=True, num_kv_heads=2)
+if Version(transformers.__version__) >= Version("5.25"):
+    FAMILIES["falcon_new_arch"] = _f("falcon_new_arch", "falcon", gqa=False, kv_heads=2, config=_FALCON_NEW_ARCH)
+else:
+    UNSUPPORTED["falcon_new_arch"] = ("falcon", _FALCON_NEW_ARCH, "sdpa", "PassError", r"KV heads",
+                                      "GQA repeated by broadcast_to in [T, Hkv, G, D] layout before the transpose")
 
 
 def build_config(model_type: str, overrides: dict, attn_implementation: str):
