@@ -515,3 +515,62 @@ def test_c_kernel_attention_mass_matches_torch(monkeypatch: pytest.MonkeyPatch) 
         assert got[b].shape == (3, case.seq_lens[b])
         torch.testing.assert_close(got[b], want[b], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got[b].sum(-1), torch.full((3,), 3.0))
+
+
+@c_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_paged_attention_in_pure_decode_steps(dtype) -> None:
+    """In a pure-decode step on cpu_sdpa, ``devin::paged_attention`` runs in C++ from the pushed
+    step (no Python kernel): same cache writes and outputs as the torch reference, every layer
+    counted. A nested step on another backend, a soft-capped call and a mixed step take the
+    Python kernel; the outer step's state comes back after the nested one."""
+    from devin_compile.backends import cpu_paged_decode, cpu_sdpa
+    from devin_compile.runtime.context import StepContext, step_context
+    from devin_compile.runtime.kv_cache import KVCacheSpec, PagedKVCache
+
+    import devin_compile.ops.paged_attention  # noqa: F401  (defines the op)
+
+    if not cpu_sdpa._load_native_path():
+        pytest.skip("the C++ decode ops cannot be built here")
+    gen = torch.Generator().manual_seed(0)
+    spec = KVCacheSpec(2, 2, 16, dtype, 4)
+    lens = [5, 1, 9]
+    tables = [[0, 1], [2], [3, 4, 5]]
+    slots = [tables[b][(n - 1) // 4] * 4 + (n - 1) % 4 for b, n in enumerate(lens)]
+    meta = AttentionMetadata.build([1, 1, 1], lens, tables, slots)
+    caches = {}
+    for name in ("cpu_sdpa", "torch_reference"):
+        caches[name] = PagedKVCache(spec, 6, torch.device("cpu"))
+    caches["torch_reference"].data.copy_(torch.randn(caches["cpu_sdpa"].data.shape, generator=gen).to(dtype))
+    caches["cpu_sdpa"].data.copy_(caches["torch_reference"].data)
+    q = torch.randn(3, 4, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(3, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    op = torch.ops.devin.paged_attention.default
+    outs = {}
+    with torch.inference_mode():
+        for name in ("torch_reference", "cpu_sdpa"):
+            m = AttentionMetadata.build([1, 1, 1], lens, tables, slots)
+            with step_context(StepContext(m, caches[name], get_backend(name))):
+                outs[name] = [op(q, k, v, layer, 0.25) for layer in range(2)]
+                if name == "cpu_sdpa":  # nested: another backend's step, then the outer state again
+                    inner = AttentionMetadata.build([1, 1, 1], lens, tables, slots)
+                    scratch = PagedKVCache(spec, 6, torch.device("cpu"))
+                    scratch.data.copy_(caches["torch_reference"].data)
+                    with step_context(StepContext(inner, scratch, get_backend("torch_reference"))):
+                        nested = op(q, k, v, 1, 0.25)
+                    assert inner.scratch["native_decode_layers"] == 0
+                    torch.testing.assert_close(nested.float(), outs["torch_reference"][1].float(),
+                                               **TOLERANCES[dtype])
+                    softcapped = op(q, k, v, 1, 0.25, softcap=30.0)  # declined by cpu_sdpa: the reference
+            layers = m.scratch["native_decode_layers"]
+            assert layers == (2 if name == "cpu_sdpa" else 0), name
+    assert torch.equal(caches["cpu_sdpa"].data, caches["torch_reference"].data)
+    for got, want in zip(outs["cpu_sdpa"], outs["torch_reference"]):
+        torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
+    assert softcapped.shape == (3, 4, 16)
+    # a mixed step (one sequence with two queries): the Python kernel, still the same results
+    mixed = AttentionMetadata.build([2, 1], [6, 2], [[0, 1], [2]], [4, 5, 9])
+    with torch.inference_mode(), step_context(StepContext(mixed, caches["cpu_sdpa"], get_backend("cpu_sdpa"))):
+        op(torch.randn(3, 4, 16).to(dtype), k, v, 0, 0.25)
+    assert mixed.scratch["native_decode_layers"] == 0
+    assert cpu_paged_decode.load_layer_op()

@@ -52,9 +52,11 @@ _KERNEL = CKernel("cpu_paged_decode.c", {"devin_paged_decode_attention": _ARGTYP
                                          "devin_paged_write_kv": _WRITE_ARGTYPES})
 
 
-# devin::cpu_decode_layer: write_kv + decode_attention of one pure-decode layer in one dispatched
-# call (cpu_decode_layer_op.cpp, these same C kernels linked in), for cpu_sdpa's per-step fast path
-_LAYER_OP = TorchOpKernel("cpu_decode_layer_op.cpp", __name__, c_source="cpu_paged_decode.c")
+# cpu_decode_layer_op.cpp (these same C kernels linked in): devin::cpu_decode_layer, write_kv +
+# decode_attention of one pure-decode layer in one dispatched call, and devin::paged_attention's
+# C++ CPU kernel for pushed pure-decode steps (cpu_decode_step_push / _pop), for cpu_sdpa
+_LAYER_OP = TorchOpKernel("cpu_decode_layer_op.cpp", "devin_compile.ops.paged_attention",
+                          c_source="cpu_paged_decode.c")
 
 
 def load() -> ctypes.CDLL | None:
@@ -63,7 +65,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def load_layer_op() -> bool:
-    """Register ``devin::cpu_decode_layer`` (building it the first time); False if it cannot be built."""
+    """Register ``devin::cpu_decode_layer``, the step push/pop ops and ``devin::paged_attention``'s
+    C++ CPU kernel (building them the first time); False if they cannot be built."""
     return _LAYER_OP.load()
 
 

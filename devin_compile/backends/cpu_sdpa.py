@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..runtime.context import AttentionMetadata
+from ..runtime.context import AttentionMetadata, add_step_hook
 from . import cpu_paged_decode
 from .kv_write import gather_sequence, write_kv
 from .length_groups import group_by_length
@@ -192,9 +192,54 @@ def _layer_op_plan(q, k, v, k_cache, v_cache, meta: AttentionMetadata):
     if plan is None:
         ok = (all(n == 1 for n in meta.query_lens_host) and _kernel_supported(q, k_cache, v_cache, meta)
               and _once_per_step(meta, "cpu_write_supported", lambda: cpu_paged_decode.write_supported(k, v, k_cache, v_cache))
-              and cpu_paged_decode.load_layer_op())
+              and _load_native_path())
         plan = meta.scratch["cpu_decode_layer"] = _kernel_plan(meta, list(range(meta.num_seqs)), q.device) if ok else False
     return plan or None
+
+
+_NO_TENSOR = torch.empty(0, dtype=torch.long)
+_NO_LENS = torch.empty(0, dtype=torch.int32)
+_NO_TABLE = torch.empty((0, 0), dtype=torch.int32)
+
+
+def _native_plan(ctx):
+    """(pool, rows, tables, lens, chunk) when ``devin::paged_attention``'s C++ kernel can serve this
+    step's layers: this backend, every sequence with one query, no attention-mass side output
+    (KV pruning's evaluation steps keep the Python path), a CPU pool in a dtype the C kernels take;
+    else None. Each call is checked again in C++ (dtypes, layouts, no soft-cap or window)."""
+    meta = ctx.attn
+    step = ctx.kv_prune
+    pool = getattr(ctx.kv_cache, "data", None)
+    if (not isinstance(ctx.backend, CpuSdpaBackend) or meta.num_seqs == 0
+            or not all(n == 1 for n in meta.query_lens_host) or (step is not None and step.side_output)
+            or pool is None or pool.device.type != "cpu" or pool.dim() != 6
+            or pool.dtype not in cpu_paged_decode._DTYPES or pool.stride(-1) != 1):
+        return None
+    return (pool, *_kernel_plan(meta, list(range(meta.num_seqs)), pool.device))
+
+
+def _push_step(ctx) -> None:
+    """Step hook (enter): push this step to the C++ kernel, with its plan when :func:`_native_plan`
+    gives one, else inactive (so a nested step never runs on an outer step's state)."""
+    plan = _native_plan(ctx)
+    if plan is None:
+        torch.ops.devin.cpu_decode_step_push(None, _NO_TENSOR, _NO_TENSOR, _NO_TABLE, _NO_LENS, 0)
+    else:
+        pool, rows, tables, lens, chunk = plan
+        torch.ops.devin.cpu_decode_step_push(pool, ctx.attn.slot_mapping, rows, tables, lens, chunk)
+
+
+def _pop_step(ctx) -> None:
+    """Step hook (exit): pop the step; ``scratch["native_decode_layers"]``: how many layers ran in C++."""
+    ctx.attn.scratch["native_decode_layers"] = torch.ops.devin.cpu_decode_step_pop()
+
+
+def _load_native_path() -> bool:
+    """Build/load the C++ ops and install the step hooks once; False where they cannot be built."""
+    if not cpu_paged_decode.load_layer_op():
+        return False
+    add_step_hook(_push_step, _pop_step)
+    return True
 
 
 class CpuSdpaBackend:
@@ -214,7 +259,7 @@ class CpuSdpaBackend:
         """Build (or load from its cache) the C decode kernel now rather than in the first decode
         step: about a second the first time, milliseconds after (the C++ layer op: ~10 s once)."""
         cpu_paged_decode.load()
-        cpu_paged_decode.load_layer_op()
+        _load_native_path()
 
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
         fast = _layer_op_plan(q, k, v, k_cache, v_cache, meta) if sliding_window <= 0 else None

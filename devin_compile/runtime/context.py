@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -103,15 +103,32 @@ class StepContext:
 
 _local = threading.local()
 
+# (enter, exit) pairs called with the context around every step, exit even when the step
+# fails: how a backend keeps native per-step state (cpu_sdpa's C++ decode path) in step.
+_STEP_HOOKS: list[tuple[Callable[[StepContext], None], Callable[[StepContext], None]]] = []
+
+
+def add_step_hook(enter: Callable[[StepContext], None], exit: Callable[[StepContext], None]) -> None:
+    """Call ``enter(ctx)`` / ``exit(ctx)`` around every later :func:`step_context` (once per pair)."""
+    if (enter, exit) not in _STEP_HOOKS:
+        _STEP_HOOKS.append((enter, exit))
+
 
 @contextlib.contextmanager
 def step_context(ctx: StepContext) -> Iterator[StepContext]:
-    """Install ``ctx`` for the ops run inside the ``with`` block (re-entrant, thread-local)."""
+    """Install ``ctx`` for the ops run inside the ``with`` block (re-entrant, thread-local),
+    with the step hooks (:func:`add_step_hook`) around it."""
     prev = getattr(_local, "ctx", None)
     _local.ctx = ctx
+    entered = []
     try:
+        for enter, exit in list(_STEP_HOOKS):
+            enter(ctx)
+            entered.append(exit)
         yield ctx
     finally:
+        for exit in reversed(entered):
+            exit(ctx)
         _local.ctx = prev
 
 
