@@ -292,7 +292,7 @@ def kernels(args, out: dict) -> None:
         dense_name = f"{str(dtype)[6:]} oneDNN" if packed else f"{str(dtype)[6:]} upcast_linear"
         int4_kernels = (["cpu_c"] if c_kernel else []) + (["cpu"] if k4.cpu_kernel_fast("cpu", dtype) else [])
         weights = {name: [] for name in int4_kernels}
-        dense_w = []
+        dense_w, plain_w = [], []
         for _ in range(layers):
             for n, k in shapes:
                 w = torch.randn(n, k, generator=gen) * 0.02
@@ -301,6 +301,8 @@ def kernels(args, out: dict) -> None:
                     weights[name].append((k4.prepare(name, q, s, m, 64, dtype, torch.device("cpu")), n, k))
                 dense_w.append((torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 1) if packed else w.to(dtype),
                                 n, k))
+                if packed and dtype != torch.float32:
+                    plain_w.append((w.to(dtype), n, k))
         rows = []
         for m_tokens in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
             xs = {k: torch.randn(m_tokens, k).to(dtype) for k in (576, 1536)}
@@ -317,23 +319,29 @@ def kernels(args, out: dict) -> None:
                         upcast_linear(xs[k], wp)
 
             row = {"tokens": m_tokens, "dense_ms": _median_ms(run_dense, args.repeats * 3)}
+            if packed and dtype != torch.float32:  # the dense path of CPUs without native half GEMMs, for comparison
+                row["upcast_ms"] = _median_ms(lambda: [upcast_linear(xs[k], w) for w, n, k in plain_w], args.repeats * 3)
             for name in int4_kernels:
                 row[f"{name}_ms"] = _median_ms(lambda: run_int4(name), args.repeats * 3)
             if m_tokens == 1 and "cpu_c" in int4_kernels and dtype != torch.float32:
-                # what the C kernel's int16-activation path (one row of bf16/fp16) replaced
+                # what the C kernel's integer path (bf16/fp16 activations) replaced
                 row["cpu_c_float_path_ms"] = _median_ms(lambda: [
                     k4.cpu_int4_linear.int4_mm(xs[k], qw, sz, 64, n, float_path=True)
                     for (qw, sz), n, k in weights["cpu_c"]], args.repeats * 3)
-                log(f"{str(dtype)[6:]:8}   1 token: cpu_c float path (no int16 activations) "
+                log(f"{str(dtype)[6:]:8}   1 token: cpu_c float path (no integer path) "
                     f"{row['cpu_c_float_path_ms']:7.2f} ms")
             rows.append(row)
             log(f"{str(dtype)[6:]:8} {m_tokens:3d} tokens: " + "   ".join(
                 f"int4 {name} {row[f'{name}_ms']:7.2f} ms" for name in int4_kernels)
-                + f"   {dense_name} {row['dense_ms']:7.2f} ms")
-        res = {"dense": dense_name, "rows": rows}
+                + f"   {dense_name} {row['dense_ms']:7.2f} ms"
+                + (f"   {str(dtype)[6:]} upcast_linear {row['upcast_ms']:7.2f} ms" if "upcast_ms" in row else ""))
+        res = {"dense": dense_name, "rows": rows, "cpu_c_simd": k4.cpu_int4_linear.simd() if c_kernel else None}
         for name in int4_kernels:
             faster = [r["tokens"] for r in rows if r[f"{name}_ms"] < r["dense_ms"]]
             res[f"{name}_faster_up_to_tokens"] = max(faster) if faster else 0
+            if rows and "upcast_ms" in rows[0]:
+                faster = [r["tokens"] for r in rows if r[f"{name}_ms"] < r["upcast_ms"]]
+                res[f"{name}_faster_than_upcast_up_to_tokens"] = max(faster) if faster else 0
         out["kernels"][str(dtype)[6:]] = res
 
 

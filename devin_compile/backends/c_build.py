@@ -87,10 +87,12 @@ def _texts(*paths: Path) -> list[str]:
     return [p.read_text() for p in (*paths, *HEADERS)]
 
 
-def build(source: Path, cc: str) -> Path:
-    """The shared object of C ``source``, compiled unless this exact build is cached."""
-    return _cached_build(source.stem, [*_texts(source), _version(cc)],
-                         lambda out, work: [[cc, *FLAGS, f"-I{HERE}", "-o", out, str(source), "-lm"]])
+def build(source: Path, cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared object of C ``source``, compiled unless this exact build is cached.
+    ``extra_flags`` follow the defaults (e.g. ``-mno-avx512f``: a variant without AVX-512)."""
+    stem = source.stem + "".join(f.replace("-m", "_").replace("-", "_") for f in extra_flags)
+    return _cached_build(stem, [*_texts(source), _version(cc), *extra_flags],
+                         lambda out, work: [[cc, *FLAGS, *extra_flags, f"-I{HERE}", "-o", out, str(source), "-lm"]])
 
 
 def build_torch_op(cpp: Path, c_source: Path | None, cc: str, cxx: str) -> Path:
@@ -155,9 +157,10 @@ class CKernel:
     """One C source, built and loaded once per process; ``functions`` maps each exported
     function to its ctypes argument types (every one returns an int status)."""
 
-    def __init__(self, source: str, functions: dict[str, list]) -> None:
+    def __init__(self, source: str, functions: dict[str, list], extra_flags: tuple[str, ...] = ()) -> None:
         self.source = HERE / source
         self.functions = functions
+        self.extra_flags = extra_flags
         self._lib: ctypes.CDLL | None = None
         self._tried = False
         self._lock = threading.Lock()
@@ -173,7 +176,7 @@ class CKernel:
             try:
                 if cc is None:
                     raise RuntimeError("no C compiler found (set CC)")
-                lib = ctypes.CDLL(str(build(self.source, cc)))
+                lib = ctypes.CDLL(str(build(self.source, cc, self.extra_flags)))
                 for name, argtypes in self.functions.items():
                     fn = getattr(lib, name)
                     fn.argtypes = argtypes

@@ -44,7 +44,7 @@ at::Tensor int4_linear_cpu(const at::Tensor &x, const at::Tensor &qweight, const
     const int code = dtype_code(x.scalar_type());
     const bool to_dense = dense.has_value() && max_int4_tokens >= 0 && rows > max_int4_tokens;
     if (kernel != "cpu_c" || to_dense || bias.has_value() || code < 0 || k == 0 || !x.is_contiguous() ||
-        scales.dim() != 3 || scales.scalar_type() != c10::ScalarType::Float || !scales.is_contiguous() ||
+        scales.dim() != 4 || scales.scalar_type() != c10::ScalarType::Float || !scales.is_contiguous() ||
         qweight.scalar_type() != c10::ScalarType::Byte || !qweight.is_contiguous()) {
         static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("devin::int4_linear", "").typed<Signature>();
         return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), x, qweight, scales,

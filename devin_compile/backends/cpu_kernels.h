@@ -1,5 +1,5 @@
 /* Shared by the CPU C kernels (cpu_paged_decode.c, cpu_int4_linear.c): dtype codes,
- * bf16/fp16 <-> float32 row conversion, and AVX2 helpers. */
+ * bf16/fp16 <-> float32 row conversion, AVX2 helpers and the AVX-512 feature macros. */
 #ifndef DEVIN_CPU_KERNELS_H
 #define DEVIN_CPU_KERNELS_H
 #include <stdint.h>
@@ -59,6 +59,12 @@ static inline float hsum8(__m256 v) {
     x = _mm_add_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
 }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define HAVE_AVX512 1
+#ifdef __AVX512VNNI__
+#define HAVE_AVX512_VNNI 1
+#endif
+#endif
 #endif
 
 #endif

@@ -78,6 +78,6 @@ def reference_int4_linear(x: torch.Tensor, operands: tuple) -> torch.Tensor:
         qw = fmt.pack_nibbles(fmt.unpack_cpu(qw, qw.shape[0], kp))
         sz = sz[:, :n]
     elif kernel == "cpu_c":
-        qw = fmt.pack_nibbles(kernels.cpu_int4_linear.unpack(qw, sz.shape[1] * group_size))
-        sz = fmt.scales_zeros(sz[..., 0], sz[..., 1], torch.float32)  # the kernel keeps fp32 scales
+        qw = fmt.pack_nibbles(kernels.cpu_int4_linear.unpack(qw, sz.shape[1] * group_size, n))
+        sz = fmt.scales_zeros(*kernels.cpu_int4_linear.unpack_scales(sz, n), torch.float32)  # kept in fp32
     return kernels.run(x, qw, sz, group_size, n, "reference")

@@ -65,7 +65,8 @@ def max_int4_tokens(kernel: str, dtype: torch.dtype) -> int:
     ``kernel`` against the dense path this CPU takes for ``dtype`` (see quant/quantize.py)."""
     if kernel == "cpu_c":
         dense = "onednn" if prepack_supported(dtype) else "upcast"
-        return C_MAX_INT4_TOKENS[(dense, "fp32" if dtype == torch.float32 else "half")]
+        simd = "avx512" if kernels.cpu_int4_linear.simd() == "avx512" else "avx2"
+        return C_MAX_INT4_TOKENS[(simd, dense, "fp32" if dtype == torch.float32 else "half")]
     if not kernels.cpu_kernel_fast(kernel, dtype):
         return 0  # aten's kernel has no fast fp32 path (~50x oneDNN): the dense copy serves every step
     return DEFAULT_MAX_INT4_TOKENS if prepack_supported(dtype) else MAX_INT4_TOKENS_UPCAST

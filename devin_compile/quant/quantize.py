@@ -38,13 +38,20 @@ DEFAULT_MAX_INT4_TOKENS = 8
 # as float32 GEMMs (ops/upcast_linear.py): int4 9.6 vs 14.6 ms at 1 token, 44.6 vs 78.4 ms at
 # 16, 91 vs 89 ms at 32.
 MAX_INT4_TOKENS_UPCAST = 24
-# The C kernel ("cpu_c", backends/cpu_int4_linear.py), keyed by (dense path, activations):
-# "onednn" = oneDNN prepacked GEMMs (fp32 everywhere; bf16/fp16 where oneDNN has them natively),
-# "upcast" = float32 GEMMs over a half-precision copy. Measured on a 2-core AVX2 CPU
-# (bench/results/quant-kernels-cpu_c.json, ms for the 120 linears): bf16 vs upcast 5.3 vs 12.4
-# at 1 token, 40 vs 64 at 16, 66 vs 72 at 24, 89 vs 81 at 32; fp32 vs oneDNN 5.1 vs 20.2 at 1,
-# 40 vs 52 at 16, 65 vs 62 at 24. The native-bf16 entry is aten's crossover (not re-measured there).
-C_MAX_INT4_TOKENS = {("onednn", "fp32"): 16, ("upcast", "half"): 24, ("onednn", "half"): 8}
+# The C kernel ("cpu_c", backends/cpu_int4_linear.py), keyed by (its vector build, dense path,
+# activations): "onednn" = oneDNN prepacked GEMMs (fp32 everywhere; bf16/fp16 where oneDNN has
+# them natively), "upcast" = float32 GEMMs over a half-precision copy; ms for the 120 linears.
+# "avx2": the earlier kernel (one row per lane set) on a 2-core AMD AVX2 CPU
+# (bench/results/quant-kernels-cpu_c.json): bf16 vs upcast 5.3 vs 12.4 at 1 token, 40 vs 64 at
+# 16, 66 vs 72 at 24, 89 vs 81 at 32; fp32 vs oneDNN 5.1 vs 20.2 at 1, 40 vs 52 at 16, 65 vs 62
+# at 24; the native-bf16 entry is aten's crossover. Not re-measured with the 16-row blocks.
+# "avx512": the 16-row-block kernel on a 2-core Intel CPU with AVX-512 VNNI and AMX
+# (bench/results/quant-kernels-avx512.json): bf16 vs oneDNN (AMX) 2.8 vs 11.3 at 1, 9.5 vs 11.0
+# at 12, 12.6 vs 10.7 at 16; bf16 vs upcast 44.8 vs 80.9 at 64; fp32 vs oneDNN 3.5 vs 23.9 at 1,
+# 46.1 vs 57.5 at 48, 64.2 vs 62.5 at 64. A portable build takes the "avx2" entries.
+C_MAX_INT4_TOKENS = {("avx2", "onednn", "fp32"): 16, ("avx2", "upcast", "half"): 24, ("avx2", "onednn", "half"): 8,
+                     ("avx512", "onednn", "fp32"): 48, ("avx512", "upcast", "half"): 64,
+                     ("avx512", "onednn", "half"): 12}
 
 
 def parse_target(value: Any) -> dict:
