@@ -207,6 +207,10 @@ class OptimizeConfig:
     # (costs ~45-80 s per model in optimize(); at batch 1 on a 2-core AVX2 CPU 1.4x faster than the eager
     # decode graph in bf16, 1.6x with INT4, but 0.79x on an earlier CPU; see passes/compile_decode.py).
     compile_decode: bool = False
+    # Inductor config overrides for compile_decode, as torch.compile(options=...) takes them, e.g.
+    # {"cpp_wrapper": True}: a C++ wrapper instead of Python calls the kernels (SmolLM2 INT4 on a
+    # 2-core CPU: ~5% faster decode, but ~2x the compile time).
+    compile_decode_options: dict = field(default_factory=dict)
     # Modules to run on the CPU while the rest runs on the accelerator, e.g. ("embed_tokens", "lm_head").
     offload_layers: tuple[str, ...] = ()
     # Decode batch sizes the decode graph is specialised for; static-shape decode callables
@@ -239,6 +243,19 @@ class OptimizeConfig:
                 raise ValueError(f"{flag}={getattr(self, flag)!r} must be True or False")
         if self.compile_decode and not self.split_phases:
             raise ValueError("compile_decode=True needs split_phases=True (it compiles the decode graph)")
+        opts = self.compile_decode_options
+        if not isinstance(opts, Mapping):
+            raise ValueError(f"compile_decode_options={opts!r} must be a dict of Inductor config keys, "
+                             "e.g. {'cpp_wrapper': True}")
+        if opts and not self.compile_decode:
+            raise ValueError("compile_decode_options= needs compile_decode=True (they configure its Inductor compile)")
+        if opts:
+            import torch._inductor.config as inductor_config
+        unknown = sorted(str(k) for k in opts if not isinstance(k, str) or not hasattr(inductor_config, k))
+        if unknown:
+            raise ValueError(f"compile_decode_options has keys torch._inductor.config does not know: {unknown} "
+                             "(e.g. 'cpp_wrapper', 'max_autotune')")
+        self.compile_decode_options = dict(opts)
         buckets = self.decode_buckets
         if (not isinstance(buckets, (list, tuple)) or not buckets
                 or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):

@@ -53,3 +53,18 @@ def test_compile_decode_needs_split_phases(model):  # noqa: F811
         dc.optimize(model, compile_decode=True, split_phases=False)
     with pytest.raises(ValueError, match="compile_decode"):
         dc.optimize(model, compile_decode="yes")
+
+
+def test_compile_decode_options_reach_inductor_and_keep_greedy_tokens(model, hf):  # noqa: F811
+    """compile_decode_options={"cpp_wrapper": True}: Inductor's C++ wrapper calls the kernels
+    (the report says so), with the same greedy tokens as HF; bad options fail before any work."""
+    opt = dc.optimize(model, num_kv_blocks=64, block_size=4, decode_buckets=(1,), compile_decode=True,
+                      compile_decode_options={"cpp_wrapper": True}, max_num_seqs=1)
+    row = next(line for line in opt.report().splitlines() if "| compile_decode |" in line)
+    assert "cpp_wrapper=True" in row
+    p = prompt_of(7, 700)
+    assert opt.generate([p], max_new_tokens=5) == [hf(p, 5)]
+    with pytest.raises(ValueError, match="needs compile_decode=True"):
+        dc.optimize(model, compile_decode_options={"cpp_wrapper": True})
+    with pytest.raises(ValueError, match="does not know: \\['not_an_option'\\]"):
+        dc.optimize(model, compile_decode=True, compile_decode_options={"not_an_option": 1})

@@ -270,6 +270,35 @@ def test_cpp_op_kernel_equals_python_kernel(dtype):
                        python_kernel(x, rq, rsz, g, n, "reference"))
 
 
+@pytest.mark.skipif(not HAVE_C_INT4, reason="no C compiler: the cpu_c int4 kernel is not built")
+def test_cpp_op_kernel_serves_calls_with_a_onednn_packed_dense_copy(monkeypatch):
+    """A oneDNN-packed dense copy is an MKLDNN tensor, which routes the whole call to the
+    MkldnnCPU dispatch key: the C++ kernel is registered there too, so decode-sized calls never
+    reach the Python kernel, and calls above max_int4_tokens still run the packed copy."""
+    from devin_compile.backends import cpu_int4_op
+    from devin_compile.passes.prepack_linear import prepack_supported
+
+    if not cpu_int4_op.load():
+        pytest.skip("no C++ compiler: the C++ op kernel is not built")
+    dtype = torch.bfloat16 if prepack_supported(torch.bfloat16) else torch.float32
+    n, k, g = 96, 192, 64
+    q, s, mn = _logical(n, k, g)
+    qw, sc = kernels.prepare("cpu_c", q, s, mn, g, dtype, torch.device("cpu"))
+    w = torch.randn(n, k).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+    assert packed.is_mkldnn
+    python_calls = []
+    real = kernels._RUN["cpu_c"]
+    monkeypatch.setitem(kernels._RUN, "cpu_c", lambda *a: (python_calls.append(a[0].shape[0]), real(*a))[1])
+    x = torch.randn(1, k).to(dtype)
+    got = torch.ops.devin.int4_linear(x, qw, sc, g, n, "cpu_c", None, packed, 8, "mkldnn")
+    assert python_calls == []
+    assert torch.equal(got, real(x, qw, sc, g, n))
+    many = torch.randn(12, k).to(dtype)
+    dense = torch.ops.devin.int4_linear(many, qw, sc, g, n, "cpu_c", None, packed, 8, "mkldnn")
+    assert torch.allclose(dense.float(), (many.float() @ w.float().t()), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 90), k=st.integers(2, 200), g=st.sampled_from(fmt.SUPPORTED_GROUP_SIZES),

@@ -64,3 +64,6 @@ at::Tensor int4_linear_cpu(const at::Tensor &x, const at::Tensor &qweight, const
 }  // namespace
 
 TORCH_LIBRARY_IMPL(devin, CPU, m) { m.impl("int4_linear", TORCH_FN(int4_linear_cpu)); }
+// A oneDNN-packed dense copy (dense_kernel "mkldnn") is an MKLDNN tensor, which makes the
+// dispatcher pick the MkldnnCPU key for the whole call: the same kernel serves it.
+TORCH_LIBRARY_IMPL(devin, MkldnnCPU, m) { m.impl("int4_linear", TORCH_FN(int4_linear_cpu)); }

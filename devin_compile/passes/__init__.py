@@ -45,7 +45,8 @@ def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=No
     if config.fuse_rotary and config.fuse_attention_inputs:  # fuse_rotary's roll form, after cleanup's CSE
         passes.append(FuseAttentionInputs())
     if config.compile_decode:
-        passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs))
+        passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs,
+                                    getattr(config, "compile_decode_options", None)))
     return passes
 
 

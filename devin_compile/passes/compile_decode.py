@@ -40,8 +40,9 @@ class CompileDecode(Pass):
     requires = ("split_phases",)
     runs_graphs = True  # torch.compile traces the decode graph's code
 
-    def __init__(self, decode_buckets: tuple[int, ...], max_num_seqs: int) -> None:
+    def __init__(self, decode_buckets: tuple[int, ...], max_num_seqs: int, options: dict | None = None) -> None:
         super().__init__()
+        self.options = dict(options or {})  # Inductor config overrides (config.compile_decode_options)
         # buckets the scheduler can reach (max_num_seqs caps a decode batch), plus the first above it
         reach = [b for b in decode_buckets if b < max_num_seqs]
         above = [b for b in decode_buckets if b >= max_num_seqs]
@@ -57,7 +58,7 @@ class CompileDecode(Pass):
     def run(self, program: Program, ctx: PassContext) -> PassResult:
         gm = _for_inductor(program.graphs["decode"])
         t0 = time.perf_counter()
-        with torch._inductor.config.patch(freezing=True):
+        with torch._inductor.config.patch({"freezing": True, **self.options}):
             compiled = torch.compile(gm, dynamic=True, fullgraph=True)
             try:
                 for b in self.buckets:
@@ -67,8 +68,9 @@ class CompileDecode(Pass):
                                 f"({type(e).__name__}: {e}); run optimize(..., compile_decode=False)") from e
         program.decode_callables = {b: compiled for b in self.buckets}
         dt = time.perf_counter() - t0
+        opts = "".join(f", {k}={v}" for k, v in self.options.items())
         return PassResult(matches=len(self.buckets),
-                          note=f"Inductor (freezing, symbolic batch) for buckets {list(self.buckets)}; "
+                          note=f"Inductor (freezing{opts}, symbolic batch) for buckets {list(self.buckets)}; "
                                f"compiled and warmed in {dt:.1f} s")
 
 
