@@ -46,12 +46,13 @@ MAX_INT4_TOKENS_UPCAST = 24
 # 16, 66 vs 72 at 24, 89 vs 81 at 32; fp32 vs oneDNN 5.1 vs 20.2 at 1, 40 vs 52 at 16, 65 vs 62
 # at 24; the native-bf16 entry is aten's crossover. Not re-measured with the 16-row blocks.
 # "avx512": the 16-row-block kernel on a 2-core Intel CPU with AVX-512 VNNI and AMX
-# (bench/results/quant-kernels-avx512.json): bf16 vs oneDNN (AMX) 2.8 vs 11.3 at 1, 9.5 vs 11.0
-# at 12, 12.6 vs 10.7 at 16; bf16 vs upcast 44.8 vs 80.9 at 64; fp32 vs oneDNN 3.5 vs 23.9 at 1,
-# 46.1 vs 57.5 at 48, 64.2 vs 62.5 at 64. A portable build takes the "avx2" entries.
+# (bench/results/quant-avx512.json): bf16 vs oneDNN (AMX) 2.8 vs 11.2 at 1, 6.9 vs 10.7 at 8,
+# 11.5 vs 11.3 at 12 (9.5 vs 11.0 in an earlier run: a tie); bf16 vs upcast 46.5 vs 84.6 at 64;
+# fp32 vs oneDNN 3.4 vs 24.3 at 1, 46.0 vs 57.1 at 48, 64.0 vs 63.0 at 64. A portable build
+# takes the "avx2" entries.
 C_MAX_INT4_TOKENS = {("avx2", "onednn", "fp32"): 16, ("avx2", "upcast", "half"): 24, ("avx2", "onednn", "half"): 8,
                      ("avx512", "onednn", "fp32"): 48, ("avx512", "upcast", "half"): 64,
-                     ("avx512", "onednn", "half"): 12}
+                     ("avx512", "onednn", "half"): 8}
 
 
 def parse_target(value: Any) -> dict:
