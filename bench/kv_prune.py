@@ -15,11 +15,13 @@ Two tasks, every configuration on the same requests through the same engine:
 
 Configurations: ``full`` (no pruning); for each budget ``b`` in ``--budgets`` (kept live
 tokens / positions, i.e. KV memory cut by ``1 - b``), the same ``max_ratio=b`` cap with the
-attention-score policy (``attention``), StreamingLLM (``streaming``: sinks + recent window)
-and ``random`` eviction, all with ``sink_tokens=4``, ``recent_tokens=64``,
-``step_interval=2`` and ``threshold=0``, so memory is the same across the three and only the
-choice of tokens differs; plus threshold-only runs (``--thresholds``, no cap) with the memory
-they reach. Memory: mean live KV tokens over the decode steps (relative to full), peak KV
+attention-score policy in every layer (``attention``, ``recency_layers=0``), StreamingLLM
+(``streaming``: sinks + recent window), ``random`` eviction, and the hybrid (``hybrid{r}``:
+attention scores, except that the first fraction ``r`` of the layers, ``--recency-layers``,
+evict their oldest tokens; 0.5 is the default policy), all with ``sink_tokens=4``,
+``recent_tokens=64``, ``step_interval=2`` and ``threshold=0``, so memory is the same across
+them and only the choice of tokens differs; plus threshold-only runs (``--thresholds``, no cap,
+the default ``recency_layers``) with the memory they reach. Memory: mean live KV tokens over the decode steps (relative to full), peak KV
 blocks of the request (includes the unpruned prefill, which decode pruning does not touch)
 and the decode-phase peak. Decode tok/s: decode time of each run (a single request, so
 every decode step is one token). The prompt's blocks are prefix-cached after the first run,
@@ -52,13 +54,16 @@ WORKLOAD = os.path.join(SHARED, "workloads", "long-8.jsonl")
 TEXT = os.path.join(SHARED, "data", "tinyshakespeare.txt")
 
 
-def configs(budgets, thresholds, window, pool=1, threshold_pool=1, ablation=False):
+def configs(budgets, thresholds, window, pool=1, threshold_pool=1, ablation=False, recency=()):
     out = [("full", None)]
     common = dict(sink_tokens=4, recent_tokens=64, step_interval=2, threshold=0.0, prefill_window=window)
     for b in budgets:
         for policy in ("attention", "streaming", "random"):
-            extra = {"pool_kernel": pool} if policy == "attention" else {}
+            extra = {"pool_kernel": pool, "recency_layers": 0.0} if policy == "attention" else {}
             out.append((f"{policy}@{b:g}", dict(common, policy=policy, max_ratio=b, **extra)))
+        for r in recency:  # attention scores in the later layers, recency in the first fraction r
+            out.append((f"hybrid{r:g}@{b:g}", dict(common, policy="attention", max_ratio=b, pool_kernel=pool,
+                                                   recency_layers=r)))
     if 0.5 in budgets and window and ablation:
         out.append(("attention-decode-only@0.5", dict(common, max_ratio=0.5, prefill_window=0)))
     for t in thresholds:
@@ -197,19 +202,23 @@ def main() -> None:
     ap.add_argument("--thresholds", type=float, nargs="*", default=[0.05, 0.3])
     ap.add_argument("--window", type=int, default=32, help="prefill_window (SnapKV observation window) of the pruned runs")
     ap.add_argument("--pool", type=int, default=32, help="pool_kernel of the attention runs")
+    ap.add_argument("--recency-layers", type=float, nargs="*", default=[0.5],
+                    help="hybrid runs: attention policy with this fraction of the first layers evicting by recency")
     ap.add_argument("--threshold-pool", type=int, default=1,
                     help="pool_kernel of the threshold-only runs (pooling raises scores, so it cuts less per threshold)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: OpenMP barriers on a busy 2-core box cost ms)")
     ap.add_argument("--configs", nargs="*", default=None, help="run only these configuration names")
     ap.add_argument("--speed-repeats", type=int, default=4,
-                    help="decode tok/s phase: full / attention@0.5 / streaming@0.5 alternated this many times")
+                    help="decode tok/s phase: full / attention@0.5 / streaming@0.5 / the first hybrid@0.5 "
+                         "alternated this many times")
     ap.add_argument("--speed-tokens", type=int, default=64)
     ap.add_argument("--long-offset", type=int, default=0, help="first long-8 sample (to shard runs)")
     ap.add_argument("--copy-offset", type=int, default=0, help="first copy-task sample (to shard runs)")
     ap.add_argument("--merge", nargs="+", default=None, help="merge these shard outputs into --out and exit")
     ap.add_argument("--kv-blocks", type=int, default=320, help="KV pool blocks (16 tokens each)")
     ap.add_argument("--ablation", action="store_true", help="also run attention scores from decode steps only")
-    ap.add_argument("--greedy-configs", nargs="*", default=["full", "attention@0.5", "streaming@0.5", "random@0.5"],
+    ap.add_argument("--greedy-configs", nargs="*", default=["full", "attention@0.5", "streaming@0.5", "random@0.5",
+                                                            "hybrid0.5@0.5"],
                     help="configurations whose copy task also runs free-running greedy (each costs a prefill)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
@@ -230,7 +239,8 @@ def main() -> None:
     bs = engine.runner.block_size
     text = open(TEXT).read()
     rows = [json.loads(line) for line in open(WORKLOAD)][args.long_offset:args.long_offset + args.samples]
-    cfgs = configs(args.budgets, args.thresholds, args.window, args.pool, args.threshold_pool, args.ablation)
+    cfgs = configs(args.budgets, args.thresholds, args.window, args.pool, args.threshold_pool, args.ablation,
+                   args.recency_layers)
     if args.configs:
         cfgs = [c for c in cfgs if c[0] in args.configs]
     results: dict[str, dict] = {name: {"long": [], "copy": []} for name, _ in cfgs}
@@ -284,7 +294,9 @@ def main() -> None:
 
     # Decode speed at ~3000 context: configurations alternated, so load drift hits them alike.
     speed: dict[str, list] = {}
-    speed_cfgs = [c for c in configs([0.5], [], args.window, args.pool) if c[0] in ("full", "attention@0.5", "streaming@0.5")]
+    speed_names = ["full", "attention@0.5", "streaming@0.5"] + [f"hybrid{r:g}@0.5" for r in args.recency_layers[:1]]
+    speed_cfgs = [c for c in configs([0.5], [], args.window, args.pool, recency=args.recency_layers)
+                  if c[0] in speed_names]
     first = json.loads(open(WORKLOAD).readline())
     ids0 = tok(first["prompt"], add_special_tokens=False)["input_ids"] if args.speed_repeats else None
     for rep in range(args.speed_repeats if ids0 else 0):

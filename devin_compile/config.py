@@ -105,7 +105,10 @@ class KVPruneConfig:
     below ``threshold`` are evicted, never the first ``sink_tokens`` nor the last
     ``recent_tokens``; ``max_tokens`` / ``max_ratio`` (of the sequence's positions) cap the
     live tokens. ``policy``: ``"attention"`` (scores), ``"streaming"`` (evict the oldest
-    non-sink tokens: StreamingLLM) or ``"random"`` (a baseline; ``seed``).
+    non-sink tokens: StreamingLLM) or ``"random"`` (a baseline; ``seed``). ``recency_layers``:
+    the fraction of the attention layers, counted from the first, that evict their oldest
+    evictable tokens whatever the policy (default 0.5: on SmolLM2, scores chose worse than
+    recency in the early layers and better in the late ones; 0 = the policy in every layer).
     ``enabled=False`` compiles the pruning nodes but leaves pruning off until a request
     (``SamplingParams(kv_prune=...)``) or :func:`devin_compile.enable_kv_pruning` turns it on.
     """
@@ -120,6 +123,7 @@ class KVPruneConfig:
     seed: int = 0
     prefill_window: int = 0  # > 0: SnapKV-style, the prompt's last N queries score it and it is pruned once at once
     pool_kernel: int = 32  # > 1: a token's score is the max over it and the kernel-1 tokens before it (keeps spans)
+    recency_layers: float = 0.5  # fraction of layers (first ones) that evict by recency instead of by the policy
     enabled: bool = True
 
     POLICIES = ("attention", "streaming", "random")
@@ -152,6 +156,10 @@ class KVPruneConfig:
                 raise ValueError(f"kv_prune.max_ratio={v!r} must be in (0, 1] (live tokens / positions) or None")
         if isinstance(self.pool_kernel, bool) or not isinstance(self.pool_kernel, int) or self.pool_kernel < 1:
             raise ValueError(f"kv_prune.pool_kernel={self.pool_kernel!r} must be an integer >= 1 (1: no pooling)")
+        r = self.recency_layers
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"kv_prune.recency_layers={r!r} must be in [0, 1] (the fraction of attention layers, "
+                             "from the first, that evict their oldest tokens)")
         if self.policy not in self.POLICIES:
             raise ValueError(f"kv_prune.policy={self.policy!r} is unknown; valid: {list(self.POLICIES)}")
         if self.policy != "attention" and not self.has_cap:
@@ -163,6 +171,10 @@ class KVPruneConfig:
     @property
     def has_cap(self) -> bool:
         return self.max_tokens is not None or self.max_ratio is not None
+
+    def num_recency_layers(self, num_layers: int) -> int:
+        """How many of ``num_layers`` layers (the first ones) evict by recency."""
+        return round(self.recency_layers * num_layers)
 
     @classmethod
     def coerce(cls, value: Any, what: str = "kv_prune") -> "KVPruneConfig | None":

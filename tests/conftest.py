@@ -19,9 +19,21 @@ Special token ids are bos=1, eos=2, pad=0; test prompts use ids >= 3.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
-import pytest
+# Triton decides when it is imported whether its library @jit functions run in the interpreter;
+# import it here with TRITON_INTERPRET=1 (unless the caller chose) so that the interpreter tests
+# (test_attention_backends, test_kv_prune_triton) pass whatever test module imports it first.
+if importlib.util.find_spec("triton") is not None:
+    _prev_interpret = os.environ.get("TRITON_INTERPRET")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton  # noqa: E402,F401
+    if _prev_interpret is None:
+        del os.environ["TRITON_INTERPRET"]
+
+import pytest  # noqa: E402
 import torch
 import transformers
 from packaging.version import Version

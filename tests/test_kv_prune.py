@@ -126,12 +126,13 @@ class MaskedReference:
         return torch.einsum("hgqk,khd->qhgd", p, vv).reshape(T, q.shape[1], -1).to(q.dtype)
 
 
-@pytest.mark.parametrize("backend,policy", [("torch_reference", "attention"), ("cpu_sdpa", "attention"),
-                                            ("cpu_sdpa", "streaming"), ("cpu_sdpa", "random")])
-def test_logits_match_masking_reference(pruned, backend, policy):
+@pytest.mark.parametrize("backend,policy,recency", [
+    ("torch_reference", "attention", 0.0), ("cpu_sdpa", "attention", 0.0), ("cpu_sdpa", "streaming", 0.0),
+    ("cpu_sdpa", "random", 0.0), ("cpu_sdpa", "attention", 0.5)])
+def test_logits_match_masking_reference(pruned, backend, policy, recency):
     ids = prompt(7, 41)
     n_new = 26
-    cfg = dict(CAP, policy=policy, threshold=0.9 if policy == "attention" else 0.0)
+    cfg = dict(CAP, policy=policy, threshold=0.9 if policy == "attention" else 0.0, recency_layers=recency)
     eng = engine_over(pruned, backend=get_backend(backend), prefix=False)
     logits, kept, sinks_recent = [], [], []
 
@@ -165,6 +166,14 @@ def test_logits_match_masking_reference(pruned, backend, policy):
             assert set(range(CAP["sink_tokens"])) <= have
             assert set(range(total - CAP["recent_tokens"], total)) <= have
             assert len(have) == pos.shape[1]  # no duplicated position
+        # recency layers (the first round(recency * layers)) keep the sinks and the newest tokens only
+        for layer in range(round(recency * pos.shape[0])):
+            live = sorted(pos[layer].tolist())
+            s = CAP["sink_tokens"]
+            assert live == list(range(s)) + list(range(live[-1] + 1 - (len(live) - s), live[-1] + 1))
+    if recency:  # the other layers chose by score: some snapshot keeps an older token than recency would
+        last = [p for p in kept if p is not None][-1]
+        assert sorted(last[-1].tolist()) != sorted(last[0].tolist())
 
     # reference: same tokens forced, evicted positions masked in place
     ref_cache_engine = engine_over(pruned, prefix=False)
@@ -314,6 +323,7 @@ def test_decorator_turns_pruning_on(model):
     ({"sink_tokens": -1}, "sink_tokens"), ({"recent_tokens": -4}, "recent_tokens"),
     ({"max_tokens": 10, "sink_tokens": 4, "recent_tokens": 64}, "max_tokens"), ({"max_ratio": 0.0}, "max_ratio"),
     ({"policy": "lru"}, "policy"), ({"policy": "streaming"}, "policy"), ({"thresold": 0.1}, "thresold"),
+    ({"recency_layers": 1.5}, "recency_layers"), ({"recency_layers": -0.5}, "recency_layers"),
 ])
 def test_bad_config_names_the_field(model, bad, field):
     with pytest.raises(ValueError, match=field):

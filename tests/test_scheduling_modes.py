@@ -133,9 +133,15 @@ def test_async_bad_request_and_cancellation_leave_others_running(opt, hf):  # no
         async with AsyncEngine(engine) as aeng:
             with pytest.raises(ValueError, match="empty prompt"):
                 await aeng.generate([], greedy(3))
-            long_task = asyncio.create_task(aeng.generate(prompt_of(9, 78), greedy(60)))
+            started = asyncio.Event()
+
+            async def long_request():
+                async for _ in aeng.stream(prompt_of(9, 78), greedy(240)):  # 249 of 256 positions
+                    started.set()
+
+            long_task = asyncio.create_task(long_request())
             good = asyncio.create_task(aeng.generate(p, greedy(6)))
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(started.wait(), 60)  # cancel mid-generation (a fixed sleep raced fast machines)
             long_task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await long_task

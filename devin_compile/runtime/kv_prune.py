@@ -29,8 +29,8 @@ never evicted. ``count`` = the mean over layers of the number of other tokens sc
 ``threshold`` (policy ``attention``), raised to meet ``max_tokens`` /
 ``ceil(max_ratio · positions)`` live tokens, and bounded by what is evictable. Every layer
 evicts exactly ``count`` tokens, its own lowest-scoring ones (``streaming``: the oldest;
-``random``: a seeded random choice), so all layers keep equal slot counts and share one
-block table.
+``random``: a seeded random choice; the first ``recency_layers`` fraction of the layers: the
+oldest, whatever the policy), so all layers keep equal slot counts and share one block table.
 
 **Compaction.** Decode attends to every slot below ``seq_len``, so slot order within a
 sequence is free: kept tokens from the tail ``[m, n)`` (``m = n - count``) move into the
@@ -363,6 +363,9 @@ class KVPruner:
             key = pos.float()
         else:
             key = torch.rand(pos.shape, generator=st.generator).to(pos.device)
+        recency = cfg.num_recency_layers(self.num_layers)
+        if recency:
+            key[:recency] = pos[:recency].float()
         key = key.masked_fill(protected, math.inf)
         idx = torch.topk(key, count, dim=1, largest=False).indices
         evict = torch.zeros_like(protected)
