@@ -21,9 +21,9 @@ attention scores, except that the first fraction ``r`` of the layers, ``--recenc
 evict their oldest tokens; 0.5 is the default policy), all with ``sink_tokens=4``,
 ``recent_tokens=64``, ``step_interval=2`` and ``threshold=0``, so memory is the same across
 them and only the choice of tokens differs; plus threshold-only runs (``--thresholds``, no cap,
-the default ``recency_layers``) with the memory they reach. Memory: mean live KV tokens over the decode steps (relative to full), peak KV
-blocks of the request (includes the unpruned prefill, which decode pruning does not touch)
-and the decode-phase peak. Decode tok/s: decode time of each run (a single request, so
+the default ``recency_layers``) with the memory they reach. Memory: mean live KV tokens over
+the decode steps (relative to full), peak KV blocks of the request (includes the unpruned
+prefill, which decode pruning does not touch) and the decode-phase peak. Decode tok/s: decode time of each run (a single request, so
 every decode step is one token). The prompt's blocks are prefix-cached after the first run,
 so later runs skip most of the prefill; pruning copies those shared blocks before it
 compacts them, so cached entries stay valid. Writes bench/results/kv_prune.json.
