@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from devin_compile.backends.registry import get_backend  # noqa: E402
-from devin_compile.runtime.context import AttentionMetadata  # noqa: E402
+from devin_compile.backends.attention.registry import get_backend  # noqa: E402
+from devin_compile.step import AttentionMetadata  # noqa: E402
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 

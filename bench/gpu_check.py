@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
-from devin_compile.backends.kv_write import write_kv  # noqa: E402
-from devin_compile.backends.registry import get_backend  # noqa: E402
-from devin_compile.backends.torch_reference import reference_paged_attention  # noqa: E402
-from devin_compile.runtime.context import AttentionMetadata  # noqa: E402
+from devin_compile.backends.attention.kv_write import write_kv  # noqa: E402
+from devin_compile.backends.attention.registry import get_backend  # noqa: E402
+from devin_compile.backends.attention.torch_reference import reference_paged_attention  # noqa: E402
+from devin_compile.step import AttentionMetadata  # noqa: E402
 
 ROWS: list[dict] = []
 

@@ -277,8 +277,8 @@ def _llama_cpp_python(tok, ids: list[int], args):
 
 
 def kernels(args, out: dict) -> None:
-    from devin_compile.backends import int4 as k4
-    from devin_compile.quant import int4 as fmt
+    from devin_compile.backends.int4 import kernels as k4
+    from devin_compile.backends.int4 import format as fmt
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused q/k/v, o, fused gate/up, down
     layers = 30

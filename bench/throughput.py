@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
 from devin_compile import SamplingParams  # noqa: E402
-from devin_compile.backends import py_arena_cache  # noqa: E402
+from devin_compile.runtime import py_arena_cache  # noqa: E402
 from devin_compile.config import parse_dtype  # noqa: E402
 from devin_compile.models import load_model  # noqa: E402
 

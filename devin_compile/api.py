@@ -8,13 +8,13 @@ from typing import Any, Sequence as Seq
 import torch
 from transformers.modeling_outputs import CausalLMOutput
 
-from .backends.registry import get_backend, select_attention_backend
+from .backends.attention.registry import get_backend, select_attention_backend
 from .capture import ModelInfo, capture, model_info
 from .config import OptimizeConfig
 from .passes import default_passes
 from .passes.offload_embeddings import check_offload_layers
 from .pipeline import PassContext, PassManager, PassReport, Probe, Program
-from .runtime.context import AttentionMetadata, StepContext, step_context
+from .step import AttentionMetadata, StepContext, step_context
 from .runtime.engine import Engine, RequestError, RequestOutput
 from .runtime.kv_cache import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .runtime.kv_prune import active_config as active_kv_prune

@@ -3,7 +3,7 @@
 Decode tokens/s counts tokens after the first one, over the time after the first
 token appeared, so prefill cost is reported separately as time to first token (TTFT).
 Every figure is a median over ``repeats`` runs, after one excluded full-length warm-up run.
-Both timers run with the arena cache of :mod:`~devin_compile.backends.py_arena_cache` in place
+Both timers run with the arena cache of :mod:`~devin_compile.runtime.py_arena_cache` in place
 (the engine installs it), so HF and devin-compile see the same interpreter.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import py_arena_cache
+from .runtime import py_arena_cache
 
 
 @dataclass

@@ -244,7 +244,7 @@ class OptimizeConfig:
             except (RuntimeError, TypeError) as e:
                 raise ValueError(f"device={self.device!r} is not a valid torch device: {e}") from None
         if self.attention_backend is not None:
-            from .backends.registry import backend_names
+            from .backends.attention.registry import backend_names
 
             if self.attention_backend not in backend_names():
                 raise ValueError(

@@ -33,13 +33,13 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import devin_compile.backends.cpu_sdpa  # noqa: E402,F401  (registers "cpu_sdpa")
-import devin_compile.backends.triton_paged as triton_paged  # noqa: E402  (registers "triton")
+import devin_compile.backends.attention.cpu_sdpa  # noqa: E402,F401  (registers "cpu_sdpa")
+import devin_compile.backends.attention.triton_paged as triton_paged  # noqa: E402  (registers "triton")
 import devin_compile.ops  # noqa: E402,F401  (registers torch.ops.devin.paged_attention)
-from devin_compile.backends.kv_write import write_kv  # noqa: E402
-from devin_compile.backends.registry import get_backend  # noqa: E402
-from devin_compile.backends.torch_reference import reference_paged_attention  # noqa: E402
-from devin_compile.runtime.context import AttentionMetadata, StepContext, step_context  # noqa: E402
+from devin_compile.backends.attention.kv_write import write_kv  # noqa: E402
+from devin_compile.backends.attention.registry import get_backend  # noqa: E402
+from devin_compile.backends.attention.torch_reference import reference_paged_attention  # noqa: E402
+from devin_compile.step import AttentionMetadata, StepContext, step_context  # noqa: E402
 from devin_compile.runtime.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 
 if _PREV_INTERPRET is None:
@@ -268,7 +268,7 @@ def test_triton_long_context_window(sliding_window: int) -> None:
 
 def _without_c_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make cpu_sdpa take its torch-only decode paths, as on a machine without a C compiler."""
-    from devin_compile.backends import cpu_paged_decode
+    from devin_compile.backends.attention import cpu_paged_decode
 
     monkeypatch.setattr(cpu_paged_decode, "load", lambda: None)
 
@@ -304,7 +304,7 @@ def _decode_case(kv: list[int], *, mixed: bool, bs: int = 4, hkv: int = 2, group
 def test_cpu_sdpa_decode_length_groups(mixed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the C kernel, decode rows of very different lengths are cut into several length
     groups (and, in a mixed step, sit between prefill rows); every row still equals the reference."""
-    from devin_compile.backends.cpu_sdpa import _decode_plan
+    from devin_compile.backends.attention.cpu_sdpa import _decode_plan
 
     _without_c_kernel(monkeypatch)
     case = _decode_case([3, 300, 7, 290, 150, 2, 160], mixed=mixed)
@@ -318,7 +318,7 @@ def test_cpu_sdpa_decode_length_groups(mixed: bool, monkeypatch: pytest.MonkeyPa
 
 
 c_kernel = pytest.mark.skipif(
-    __import__("devin_compile.backends.cpu_paged_decode", fromlist=["load"]).load() is None,
+    __import__("devin_compile.backends.attention.cpu_paged_decode", fromlist=["load"]).load() is None,
     reason="the C decode-attention kernel cannot be built here (no C compiler)")
 
 
@@ -334,7 +334,7 @@ def test_c_decode_kernel_matches_reference(dtype: torch.dtype, head_dim: int, gr
     40 take the scalar tails), every dtype, pure-decode and mixed steps. Pure-decode steps take
     the C++ layer op (write + attention in one call) where it builds, and the ctypes calls when
     it is forced off."""
-    from devin_compile.backends import cpu_paged_decode
+    from devin_compile.backends.attention import cpu_paged_decode
 
     monkeypatch.setattr(cpu_paged_decode, "CHUNK", 32)
     case = _decode_case([3, 300, 7, 290, 150, 2, 33], mixed=mixed, bs=16 if head_dim == 64 else 5, hkv=2,
@@ -358,7 +358,7 @@ def test_c_kv_write_equals_torch_write(dtype) -> None:
     """The C KV write (one call) puts rows where the torch path does: new K/V as strided views
     of a fused projection, padded entries (slot -1) written nowhere; a slot outside the pool is
     an error and writes nothing."""
-    from devin_compile.backends import cpu_paged_decode
+    from devin_compile.backends.attention import cpu_paged_decode
 
     gen = torch.Generator().manual_seed(0)
     fused = torch.randn(5, 3 * 2 * 16, generator=gen).to(dtype)
@@ -394,7 +394,7 @@ def test_c_kv_write_equals_torch_write(dtype) -> None:
 def test_c_decode_kernel_empty_rows_and_bad_arguments() -> None:
     """A row with no cached keys (a padded decode entry) comes out as zeros; a layout the
     kernel does not take is refused by ``supports`` before any call."""
-    from devin_compile.backends import cpu_paged_decode
+    from devin_compile.backends.attention import cpu_paged_decode
 
     q = torch.randn(2, 4, 16)
     kc = torch.randn(3, 4, 2, 16)
@@ -429,7 +429,7 @@ def test_triton_availability_and_supports(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_triton_module_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without triton the backend just reports itself unavailable."""
-    monkeypatch.setattr(triton_paged, "_HAVE_TRITON", False)
+    monkeypatch.setattr(triton_paged, "HAVE_TRITON", False)
     backend = triton_paged.TritonPagedBackend()
     assert not backend.is_available(CPU)
     assert not backend.supports(dtype=torch.float32, head_dim=64, softcap=0.0, sliding_window=-1)
@@ -499,8 +499,8 @@ def test_c_kernel_attention_mass_matches_torch(monkeypatch: pytest.MonkeyPatch) 
     """KV pruning's scores from the C kernel (cpu_sdpa's side output, split into 32-key chunks)
     equal the torch recomputation: per KV head, the softmax mass of each cached key summed over
     its query heads."""
-    from devin_compile.backends import cpu_paged_decode
-    from devin_compile.backends.attention_scores import recompute_decode_mass
+    from devin_compile.backends.attention import cpu_paged_decode
+    from devin_compile.backends.attention.attention_scores import recompute_decode_mass
 
     case = _decode_case([3, 300, 7, 290, 150, 2, 33], mixed=False, bs=16, hkv=3, group=3, head_dim=64)
     meta = case.meta()
@@ -524,8 +524,8 @@ def test_native_paged_attention_in_pure_decode_steps(dtype) -> None:
     step (no Python kernel): same cache writes and outputs as the torch reference, every layer
     counted. A nested step on another backend, a soft-capped call and a mixed step take the
     Python kernel; the outer step's state comes back after the nested one."""
-    from devin_compile.backends import cpu_paged_decode, cpu_sdpa
-    from devin_compile.runtime.context import StepContext, step_context
+    from devin_compile.backends.attention import cpu_paged_decode, cpu_sdpa
+    from devin_compile.step import StepContext, step_context
     from devin_compile.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
     import devin_compile.ops.paged_attention  # noqa: F401  (defines the op)

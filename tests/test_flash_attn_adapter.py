@@ -28,10 +28,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from devin_compile.backends import flash_attn as fa
-from devin_compile.backends.flash_attn import FlashAttn2Backend, FlashAttn3Backend, window_size_for
-from devin_compile.backends.torch_reference import TorchReferenceBackend
-from devin_compile.runtime.context import AttentionMetadata
+from devin_compile.backends.attention import flash_attn as fa
+from devin_compile.backends.attention.flash_attn import FlashAttn2Backend, FlashAttn3Backend, window_size_for
+from devin_compile.backends.attention.torch_reference import TorchReferenceBackend
+from devin_compile.step import AttentionMetadata
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -355,7 +355,7 @@ def test_unavailable_on_cpu_machine(backend):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
 def test_registered_but_never_selected_on_cpu():
-    from devin_compile.backends.registry import backend_names, get_backend, select_attention_backend
+    from devin_compile.backends.attention.registry import backend_names, get_backend, select_attention_backend
 
     names = backend_names()
     assert {"flash_attn2", "flash_attn3"} <= set(names)
@@ -382,6 +382,6 @@ def test_stand_in_signature_matches_installed_library(module, make):
 
 
 def test_module_import_does_not_import_flash_attention():
-    assert fa.__name__ == "devin_compile.backends.flash_attn"
+    assert fa.__name__ == "devin_compile.backends.attention.flash_attn"
     if not torch.cuda.is_available():
         assert "flash_attn" not in sys.modules and "flash_attn_interface" not in sys.modules

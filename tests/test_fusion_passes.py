@@ -54,7 +54,7 @@ def test_pass_keeps_values_fp32(pass_cls, sites, exact):
 def test_rms_norm_op_cpu_kernel_matches_aten(dtype):
     """devin::rms_norm's C++ CPU kernel against aten.rms_norm (its Python kernel): bf16 exact,
     float32/fp16 within a few roundings; calls it does not serve are redispatched to aten."""
-    from devin_compile.backends import cpu_rms_norm_op
+    from devin_compile.backends.fused import cpu_rms_norm_op
 
     if not cpu_rms_norm_op.load():
         pytest.skip("no C++ compiler here")
@@ -112,7 +112,7 @@ def test_fuse_silu_mul_bit_identical_fp32():
 def test_silu_mul_cpu_kernel_equals_python_kernel(dtype):
     """The C++ kernel makes the Python kernel's aten calls: equal bit for bit, also on a strided
     input; an odd last dimension is an error naming it."""
-    from devin_compile.backends import cpu_silu_mul_op
+    from devin_compile.backends.fused import cpu_silu_mul_op
     from devin_compile.ops.silu_mul import silu_mul
 
     if not cpu_silu_mul_op.load():
@@ -147,7 +147,7 @@ def _rotary_inputs(t, kv_heads, group, d, dtype, fused, seed):
 def test_rotary_heads_cpu_kernel_matches_hf_rotary(t, kv_heads, group, d, dtype, fused, seed):
     """devin::rotary_heads (C++ kernel where it builds) against HF's own apply_rotary_pos_emb on
     [1, H, T, D] heads: bit-identical in every dtype, contiguous [T, H, D] outputs."""
-    from devin_compile.backends import cpu_rotary_op
+    from devin_compile.backends.fused import cpu_rotary_op
 
     cpu_rotary_op.load()
     q, k, v, cos, sin = _rotary_inputs(t, kv_heads, group, d, dtype, fused, seed)
@@ -164,7 +164,7 @@ def test_rotary_heads_cpu_kernel_matches_hf_rotary(t, kv_heads, group, d, dtype,
 def test_rotary_heads_unserved_calls_use_the_python_kernel():
     """Calls the C++ kernel does not serve (mixed dtypes, a strided last dim) give the Python
     kernel's result, and so does an empty step (the Python kernel handles T = 0 too)."""
-    from devin_compile.backends import cpu_rotary_op
+    from devin_compile.backends.fused import cpu_rotary_op
     from devin_compile.ops.rotary_heads import rotary_heads
 
     if not cpu_rotary_op.load():

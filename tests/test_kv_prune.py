@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import devin_compile as dc
-from devin_compile.backends.kv_write import gather_sequence, write_kv
-from devin_compile.backends.registry import get_backend
+from devin_compile.backends.attention.kv_write import gather_sequence, write_kv
+from devin_compile.backends.attention.registry import get_backend
 from devin_compile.config import KVPruneConfig, SchedulerConfig
 from devin_compile.pipeline import PassError
 from devin_compile.runtime.engine import Engine

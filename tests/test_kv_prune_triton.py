@@ -19,9 +19,9 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import devin_compile.backends.triton_paged as triton_paged  # noqa: E402,F401
-from devin_compile.backends.registry import get_backend  # noqa: E402
-from devin_compile.runtime.context import AttentionMetadata  # noqa: E402
+import devin_compile.backends.attention.triton_paged as triton_paged  # noqa: E402,F401
+from devin_compile.backends.attention.registry import get_backend  # noqa: E402
+from devin_compile.step import AttentionMetadata  # noqa: E402
 
 if _PREV is None:
     del os.environ["TRITON_INTERPRET"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from devin_compile.backends.length_groups import group_by_length
+from devin_compile.backends.attention.length_groups import group_by_length
 
 
 def _cost(groups, lengths, call_cost):

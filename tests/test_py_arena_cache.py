@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from devin_compile.backends import py_arena_cache
+from devin_compile.runtime import py_arena_cache
 
 pytestmark = pytest.mark.skipif(not py_arena_cache.needed(), reason="CPython >= 3.13 caches stack chunks itself")
 
@@ -38,7 +38,7 @@ def test_objects_and_arenas_survive_heavy_allocation():
 
 
 def test_can_be_turned_off():
-    code = ("import devin_compile.runtime.engine; from devin_compile.backends import py_arena_cache as c;"
+    code = ("import devin_compile.runtime.engine; from devin_compile.runtime import py_arena_cache as c;"
             "print(c.needed(), c.install())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "DEVIN_COMPILE_ARENA_CACHE": "0"}).stdout

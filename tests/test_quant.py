@@ -1,6 +1,6 @@
 """Weight-only INT4: format, kernels, algorithms, the assign_precision pass, artifacts, bad input.
 
-Kernels are checked against the torch reference (``backends.int4.reference_int4_mm``), which
+Kernels are checked against the torch reference (``backends.int4.kernels.reference_int4_mm``), which
 itself is checked against a plain fp32 dequantize-then-matmul. The Triton kernel runs under
 ``TRITON_INTERPRET=1`` on CPU. Model-level checks use a tiny seeded Llama (hidden 96, so
 group size 64 does not divide it and the pass must say which size it used).
@@ -18,7 +18,7 @@ _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if HAVE_TRITON:
-    import devin_compile.backends.int4_triton  # noqa: E402,F401
+    import devin_compile.backends.int4.triton_kernel  # noqa: E402,F401
 if _PREV_INTERPRET is None:
     del os.environ["TRITON_INTERPRET"]
 
@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import devin_compile
-from devin_compile.backends import int4 as kernels
+from devin_compile.backends.int4 import kernels
 from devin_compile.quant import artifact, awq, gptq
-from devin_compile.quant import int4 as fmt
+from devin_compile.backends.int4 import format as fmt
 from devin_compile.quant.calibration import CalibrationStats, collect_stats, token_chunks
-from devin_compile.quant.int4 import choose_group_size
+from devin_compile.backends.int4.format import choose_group_size
 from devin_compile.quant.quantize import QuantConfig, parse_target, quantize_model, simulate
 
 
@@ -122,7 +122,7 @@ def test_c_int4_kernel_matches_fp32_dequantized_matmul(n, k, g, m, dtype, seed):
     dequantize-then-matmul (the reference rounds scales to the activation dtype). Its vector
     path (tiles of 4, 2 and 1 rows of x; short last groups; odd group counts at g=32) and its
     portable path (machines without AVX2) are both checked."""
-    from devin_compile.backends import cpu_int4_linear as c4
+    from devin_compile.backends.int4 import cpu_int4_linear as c4
 
     q, s, mn = _logical(n, k, g, seed)
     qw, sc = kernels.prepare("cpu_c", q, s, mn, g, dtype, torch.device("cpu"))
@@ -152,7 +152,7 @@ def test_c_int4_int16_activation_path_matches_its_oracle(n, k, g, dtype, seed):
     (x rounded per group to int16, exact integer sums) up to summation order and the output's
     rounding, and within the activation rounding (dx / 2 per element, times |q·scale|) of the
     unrounded product; ``float_path=True`` gives the float path, equal to the plain product."""
-    from devin_compile.backends import cpu_int4_linear as c4
+    from devin_compile.backends.int4 import cpu_int4_linear as c4
 
     q, s, mn = _logical(n, k, g, seed)
     qw, sc = kernels.prepare("cpu_c", q, s, mn, g, dtype, torch.device("cpu"))
@@ -181,7 +181,7 @@ def test_c_int4_kernel_builds_for_smaller_instruction_sets_agree(n, k, g, m, see
     """The same source built without AVX-512 VNNI, without AVX-512 and without AVX2 (what other
     CPUs run; the flags only take features away, so each runs here): the integer path of each
     equals its oracle and the float path the plain product, at 1..7 rows (tiles of 4, 2, 1)."""
-    from devin_compile.backends import cpu_int4_linear as c4
+    from devin_compile.backends.int4 import cpu_int4_linear as c4
 
     q, s, mn = _logical(n, k, g, seed)
     qw, sc = c4.pack(q, s, mn, g)
@@ -207,7 +207,7 @@ def test_c_int4_integer_path_is_taken_for_half_activations_only():
     8% low), against weights that are 0 on the large element: the integer path shows that
     rounding for bf16 rows (1, 2 and 5 of them: tiles of 4, 2 and 1), the float path (fp32
     activations, ``float_path``) does not."""
-    from devin_compile.backends import cpu_int4_linear as c4
+    from devin_compile.backends.int4 import cpu_int4_linear as c4
 
     n, k, g = 24, 64, 64
     q = torch.randint(1, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -248,7 +248,7 @@ def test_cpp_op_kernel_equals_python_kernel(dtype):
     """The op's C++ CPU kernel (cpu_int4_op.cpp) serves plain cpu_c calls and hands the rest
     (bias, steps above max_int4_tokens, other kernels) back to the Python kernel: the op's
     result equals the Python kernel's in every case."""
-    from devin_compile.backends import cpu_int4_op
+    from devin_compile.backends.int4 import cpu_int4_op
     from devin_compile.ops.int4_linear import int4_linear as python_kernel
 
     if not cpu_int4_op.load():
@@ -275,7 +275,7 @@ def test_cpp_op_kernel_serves_calls_with_a_onednn_packed_dense_copy(monkeypatch)
     """A oneDNN-packed dense copy is an MKLDNN tensor, which routes the whole call to the
     MkldnnCPU dispatch key: the C++ kernel is registered there too, so decode-sized calls never
     reach the Python kernel, and calls above max_int4_tokens still run the packed copy."""
-    from devin_compile.backends import cpu_int4_op
+    from devin_compile.backends.int4 import cpu_int4_op
     from devin_compile.passes.prepack_linear import prepack_supported
 
     if not cpu_int4_op.load():

@@ -8,7 +8,7 @@ Schema::
 
 ``x`` [..., K] → [..., out_features] in x's dtype. ``qweight``/``scales_zeros`` are in the
 layout of ``kernel`` (``"reference" | "cpu" | "cpu_c" | "triton"``, see
-:mod:`devin_compile.backends.int4`; the format contract is in :mod:`devin_compile.quant.int4`).
+:mod:`devin_compile.backends.int4.kernels`; the format contract is in :mod:`devin_compile.backends.int4.format`).
 
 Kernel choice by the number of tokens in the step: when ``dense`` is given (the weight
 dequantized once, at compile time, to the activation dtype) and the call has more than
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import int4 as kernels
+from ..backends.int4 import kernels
 from .upcast_linear import upcast_linear
 
 _lib = torch.library.Library("devin", "FRAGMENT")
@@ -58,7 +58,7 @@ def quantize_weight(w: torch.Tensor, group_size: int = 64, kernel: str | None = 
     group_size, out_features, kernel)`` for ``w``'s device (``torch.ops.devin.int4_linear(x, *ops)``);
     ``kernel`` defaults to "cpu_c" on CPU ("cpu" without a C compiler) and "triton" (else
     "reference") elsewhere."""
-    from ..quant import int4 as fmt
+    from ..backends.int4 import format as fmt
 
     if kernel is None:
         kernel = (kernels.default_cpu_kernel() if w.device.type == "cpu" else "triton"
@@ -70,7 +70,7 @@ def quantize_weight(w: torch.Tensor, group_size: int = 64, kernel: str | None = 
 
 def reference_int4_linear(x: torch.Tensor, operands: tuple) -> torch.Tensor:
     """The torch reference on the operands of :func:`quantize_weight` (any kernel's layout)."""
-    from ..quant import int4 as fmt
+    from ..backends.int4 import format as fmt
 
     qw, sz, group_size, n, kernel = operands
     if kernel == "cpu":  # back to the stored nibble layout the reference reads

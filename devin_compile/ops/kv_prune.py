@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..runtime.context import current_context
+from ..step import current_context
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("kv_prune(Tensor q, Tensor attn_out, int layer, float scale, float softcap=0.) -> ()")
@@ -33,7 +33,7 @@ def kv_prune(q: torch.Tensor, attn_out: torch.Tensor, layer: int, scale: float, 
     k_cache, _ = ctx.kv_cache.layer(layer)
     group = q.shape[1] // k_cache.shape[2]
     if step.phase == "prefill":
-        from ..backends.attention_scores import window_scores
+        from ..backends.attention.attention_scores import window_scores
 
         for b, seq in step.score_rows:
             w = seq.kv_prune_state.config.prefill_window
@@ -47,7 +47,7 @@ def kv_prune(q: torch.Tensor, attn_out: torch.Tensor, layer: int, scale: float, 
     rows = [b for b, seq in step.eval_rows if seq.kv_prune_state.config.policy == "attention"]
     if not rows:
         return
-    from ..backends.attention_scores import recompute_decode_mass
+    from ..backends.attention.attention_scores import recompute_decode_mass
 
     mass = recompute_decode_mass(q, k_cache, ctx.attn, rows, scale=scale, softcap=softcap)
     step.accumulate(layer, mass, group)

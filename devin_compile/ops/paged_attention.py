@@ -7,7 +7,7 @@ Schema::
 
 q: [T, Hq, D], k/v: [T, Hkv, D] for the T packed tokens of one step; returns
 [T, Hq, Dv]. The cache, block tables, slot mapping and sequence lengths come from the
-per-step context (:mod:`devin_compile.runtime.context`), never from the graph. The
+per-step context (:mod:`devin_compile.step`), never from the graph. The
 backend is the one the runtime installed in the context for this step; calls it
 declines (see ``AttentionBackend.supports``) run on the torch reference.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.context import current_context
+from ..step import current_context
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, "
@@ -33,7 +33,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     backend = ctx.backend
     if not backend.supports(dtype=q.dtype, head_dim=q.shape[-1], softcap=softcap, sliding_window=sliding_window,
                             block_size=k_cache.shape[1]):
-        from ..backends.registry import get_backend
+        from ..backends.attention.registry import get_backend
 
         backend = get_backend("torch_reference")
     step = ctx.kv_prune

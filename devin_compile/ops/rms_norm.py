@@ -6,7 +6,7 @@ Schema::
 
 ``y = x / sqrt(mean(x², -1) + eps) · weight``, computed in float32 and rounded once to x's
 dtype. The Python kernel is ``aten.rms_norm`` (what :mod:`~devin_compile.passes.fuse_rms_norm`
-emitted before this op existed). On CPU, :mod:`~devin_compile.backends.cpu_rms_norm_op`
+emitted before this op existed). On CPU, :mod:`~devin_compile.backends.fused.cpu_rms_norm_op`
 registers a C++ kernel for the calls it serves (contiguous fp32/bf16/fp16): aten's composite
 rms_norm dispatches ~9 ops, ~25 µs per call at one token on a 2-core CPU, and a SmolLM2
 decode step makes 61 calls. Inductor gets ``aten.rms_norm`` back (``compile_decode`` rewrites

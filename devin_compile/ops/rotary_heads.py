@@ -14,7 +14,7 @@ be strided, e.g. slices of a fused qkv projection), cos/sin: T·D values ([1, 1,
     v' = v                              as [T, Hkv, Dv]   (a copy: an op's outputs never alias)
 
 with each multiply and the add rounded to the inputs' dtype, as the three aten ops would.
-The Python kernel is those aten ops; on CPU, :mod:`~devin_compile.backends.cpu_rotary_op`
+The Python kernel is those aten ops; on CPU, :mod:`~devin_compile.backends.fused.cpu_rotary_op`
 registers a C++ kernel that does the whole thing in one pass (bit-identical), replacing the
 ~20 dispatched ops (views, transposes, roll, mul, add, squeeze) a decode step spends per layer.
 """

@@ -6,7 +6,7 @@ Schema::
 
 x: [..., 2·F] (gate then up, as :mod:`~devin_compile.passes.fuse_projections` concatenates
 them); returns ``silu(x[..., :F]) * x[..., F:]`` ([..., F], x's dtype). The Python kernel is
-those aten ops; on CPU, :mod:`~devin_compile.backends.cpu_silu_mul_op` registers a C++ kernel
+those aten ops; on CPU, :mod:`~devin_compile.backends.fused.cpu_silu_mul_op` registers a C++ kernel
 that makes the same aten calls (so the same results, bit for bit) without the Python dispatch
 of split, two getitems, silu and mul: ~17 µs per call at one token on a 2-core CPU → ~5 µs.
 """

@@ -45,12 +45,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..backends import int4 as kernels
+from ..backends.int4 import crossover, kernels
 from ..graph_utils import add_call, is_call
 from ..pipeline import Pass, PassContext, PassError, PassResult
-from ..quant import int4 as fmt
-from ..quant.quantize import (C_MAX_INT4_TOKENS, DEFAULT_MAX_INT4_TOKENS, MAX_INT4_TOKENS_UPCAST, QuantConfig,
-                              QuantResult, sensitivity)
+from ..backends.int4 import format as fmt
+from ..quant.quantize import QuantConfig, QuantResult, sensitivity
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _fake_like, _param
 from .prepack_linear import prepack_supported
@@ -61,15 +60,8 @@ SENSITIVITY_KINDS = {"loss": "estimated loss increase (output-gradient weighted)
 
 
 def max_int4_tokens(kernel: str, dtype: torch.dtype) -> int:
-    """Steps of more tokens than this use the dense copy: the measured crossover of CPU int4
-    ``kernel`` against the dense path this CPU takes for ``dtype`` (see quant/quantize.py)."""
-    if kernel == "cpu_c":
-        dense = "onednn" if prepack_supported(dtype) else "upcast"
-        simd = "avx512" if kernels.cpu_int4_linear.simd() == "avx512" else "avx2"
-        return C_MAX_INT4_TOKENS[(simd, dense, "fp32" if dtype == torch.float32 else "half")]
-    if not kernels.cpu_kernel_fast(kernel, dtype):
-        return 0  # aten's kernel has no fast fp32 path (~50x oneDNN): the dense copy serves every step
-    return DEFAULT_MAX_INT4_TOKENS if prepack_supported(dtype) else MAX_INT4_TOKENS_UPCAST
+    """Steps of more tokens than this use the dense copy (backends/int4/crossover.py)."""
+    return crossover.max_int4_tokens(kernel, dtype, dense_native=prepack_supported(dtype))
 
 
 def hf_name(target: str) -> str:

@@ -96,8 +96,8 @@ def _for_inductor(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _warm(fn, info, batch: int) -> None:
     """Run ``fn`` once at ``batch`` decode tokens on a scratch cache (compiles on first sight)."""
-    from ..backends.registry import select_attention_backend
-    from ..runtime.context import AttentionMetadata, StepContext, step_context
+    from ..backends.attention.registry import select_attention_backend
+    from ..step import AttentionMetadata, StepContext, step_context
     from ..runtime.kv_cache import KVCacheSpec, PagedKVCache
 
     dev = info.device

@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..backends import cpu_rotary_op
+from ..backends.fused import cpu_rotary_op
 from ..graph_utils import RESHAPES, add_call, fake_value, has_shape, is_call, transpose_dims
 from ..ops import rotary_heads as _rotary_heads_op  # noqa: F401  (registers devin::rotary_heads)
 from ..pipeline import Pass, PassContext, PassResult

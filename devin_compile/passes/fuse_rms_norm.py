@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..backends import cpu_rms_norm_op
+from ..backends.fused import cpu_rms_norm_op
 from ..graph_utils import add_call, fake_value, is_call
 from ..ops import rms_norm as _rms_norm_op  # noqa: F401  (registers devin::rms_norm)
 from ..pipeline import Pass, PassContext, PassResult

@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx
 
-from ..backends import cpu_silu_mul_op
+from ..backends.fused import cpu_silu_mul_op
 from ..graph_utils import add_call, fake_value, is_call
 from ..ops import silu_mul as _silu_mul_op  # noqa: F401  (registers devin::silu_mul)
 from ..pipeline import Pass, PassContext, PassResult

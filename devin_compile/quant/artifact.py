@@ -3,7 +3,7 @@
 Tensors, per decoder linear ``NAME`` (HF module name), and for the output head (``lm_head``)
 when it was quantized too (``head`` in the JSON)::
 
-    NAME.qweight    uint8 [N, ceil(K/2)]  two 4-bit values a byte, even column low (see quant.int4)
+    NAME.qweight    uint8 [N, ceil(K/2)]  two 4-bit values a byte, even column low (see backends.int4.format)
     NAME.scale      fp32  [N, G]
     NAME.minv       fp32  [N, G]
     NAME.in_scale   fp32  [K]   (AWQ only) the quantized weight is W · diag(in_scale)
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import int4 as fmt
+from ..backends.int4 import format as fmt
 from .calibration import check_fingerprint, output_head, quantizable_linears
 from .quantize import QLinear, QuantResult
 

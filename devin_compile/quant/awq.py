@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import int4 as fmt
+from ..backends.int4 import format as fmt
 
 ALPHA_GRID = tuple(i / 20 for i in range(20))
 CLIP_GRID = tuple(1 - i / 20 for i in range(10))

@@ -97,7 +97,7 @@ def cmd_validate(args, load, console) -> int:
 
 def add_parser(sub, common, load) -> None:
     """Register ``quantize`` and its three stages on the top-level subparsers."""
-    from .int4 import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+    from ..backends.int4.format import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
     from .quantize import METHODS
 
     qp = sub.add_parser("quantize", help="weight-only INT4: calibrate → run → validate")

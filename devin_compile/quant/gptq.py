@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import int4 as fmt
+from ..backends.int4 import format as fmt
 
 
 def _damped_inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from ..backends import py_arena_cache
+from . import py_arena_cache
 from ..config import SchedulerConfig
 from ..config import KVPruneConfig
 from .kv_cache import BlockAllocator
@@ -80,7 +80,7 @@ class Engine:
                  eos_token_ids: Seq[int] = (), tokenizer=None, enable_prefix_caching: bool = True,
                  debug_checks: bool = False, kv_prune=None) -> None:
         # CPython < 3.13 maps and unmaps a frame-stack chunk per call across a chunk boundary;
-        # a decode loop can sit on one (see backends/py_arena_cache.py).
+        # a decode loop can sit on one (see runtime/py_arena_cache.py).
         py_arena_cache.install()
         self.runner = runner
         self.config = config

@@ -4,16 +4,16 @@ It owns the paged KV pool and the attention backend chosen for the device. For e
 step it packs the scheduled tokens end to end (``input_ids``/``position_ids`` [1, T]),
 computes each new token's cache slot from the sequence's block table, asks for logits
 only at the last token of sequences that will sample, and runs the graph inside a
-:func:`~devin_compile.runtime.context.step_context`.
+:func:`~devin_compile.step.step_context`.
 """
 from __future__ import annotations
 
 import torch
 
-from ..backends.registry import AttentionBackend, select_attention_backend
+from ..backends.attention.registry import AttentionBackend, select_attention_backend
 from ..passes.split_phases import decode_bucket
 from ..pipeline import Program
-from .context import AttentionMetadata, StepContext, step_context
+from ..step import AttentionMetadata, StepContext, step_context
 from .kv_cache import PagedKVCache
 from .scheduler import ScheduledSeq
 
@@ -30,7 +30,7 @@ class ModelRunner:
         # (on by default when the program has them; tests turn it on to check padding alone).
         self.pad_decode = bool(program.decode_callables)
         # Keys attention read vs keys that exist, summed over steps whose backend batched
-        # sequences into padded rectangles (length-aware grouping; see backends/length_groups.py).
+        # sequences into padded rectangles (length-aware grouping; see backends/attention/length_groups.py).
         self.attention_real_keys = 0
         self.attention_padded_keys = 0
 

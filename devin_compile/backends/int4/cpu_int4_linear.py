@@ -6,7 +6,7 @@ This kernel interleaves weight rows in blocks of 16, so one vector holds the sam
 16 rows (as nibbles) and its lanes accumulate 16 outputs: no shuffles, no horizontal sums.
 
 Layout ("cpu_c" kernel of ``devin::int4_linear``; :func:`pack` builds it from the logical
-format of :mod:`devin_compile.quant.int4`):
+format of :mod:`devin_compile.backends.int4.format`):
 
 - ``qweight`` uint8 ``[NB, Kp · 8]``, ``NB = ceil(N / 16)``, ``Kp`` = K padded to whole groups:
   block b, chunk c (64 bytes) holds 4 bytes per row r of the block, byte j's low nibble column
@@ -33,8 +33,8 @@ import ctypes
 
 import torch
 
-from ..quant import int4 as fmt
-from .c_build import CKernel
+from . import format as fmt
+from ..native.build import CKernel
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _p = ctypes.c_void_p

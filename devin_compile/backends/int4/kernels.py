@@ -1,4 +1,4 @@
-"""Kernels behind ``devin::int4_linear`` (see :mod:`devin_compile.quant.int4` for the format).
+"""Kernels behind ``devin::int4_linear`` (see :mod:`devin_compile.backends.int4.format` for the format).
 
 Four kernels, named by the op's ``kernel`` argument:
 
@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from ..quant import int4 as fmt
+from . import format as fmt
 from . import cpu_int4_linear, cpu_int4_op
 
 KERNELS = ("reference", "cpu", "cpu_c", "triton")
@@ -102,7 +102,7 @@ def triton_int4_mm(x2: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, gr
     block_k = min(32, group_size)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     grid = (-(-m // block_m), -(-n // block_n))
-    from .int4_triton import int4_mm_kernel  # imported on first use: triton.jit reads TRITON_INTERPRET then
+    from .triton_kernel import int4_mm_kernel  # imported on first use: triton.jit reads TRITON_INTERPRET then
 
     int4_mm_kernel[grid](x2, qweight, sz, y, m, n, k, kp, x2.stride(0), qweight.stride(0), y.stride(0),
                           GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -63,7 +63,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..runtime.context import AttentionMetadata
+from ...step import AttentionMetadata
 from .kv_write import write_kv
 from .registry import register_backend
 

@@ -7,21 +7,15 @@ program ``(b, n, h)`` loads the key tile ``n`` of sequence b's KV head h once, w
 sequence's (query token, group head) rows in BLOCK_M tiles, recomputes each score exactly as
 the attention kernel does (scale, soft-cap, causal-by-slot and window visibility), and sums
 ``exp2(s - lse)`` over the rows: the softmax mass the step's queries put on each slot, summed
-over the group's query heads (what ``backends/attention_scores.py`` defines). Output: float32
+over the group's query heads (what ``backends/attention/attention_scores.py`` defines). Output: float32
 ``[num_seqs, Hkv, max_seq_len]``, zero past each sequence's ``seq_len``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..runtime.context import AttentionMetadata
-from .triton_paged import _HAVE_TRITON, _interpreting, _pow2
-
-if _HAVE_TRITON:  # pragma: no branch
-    import triton
-    import triton.language as tl
-else:  # pragma: no cover
-    triton = tl = None
+from ...step import AttentionMetadata
+from .triton_common import interpreting, pow2, tl, triton
 
 
 def _attn_mass_kernel(
@@ -90,7 +84,7 @@ _JITTED: dict[bool, object] = {}
 
 
 def _kernel():
-    key = _interpreting()
+    key = interpreting()
     if key not in _JITTED:
         _JITTED[key] = triton.jit(_attn_mass_kernel)
     return _JITTED[key]
@@ -106,7 +100,7 @@ def triton_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, meta: Attentio
     mass = torch.zeros((B, Hkv, max(L, 1)), dtype=torch.float32, device=q.device)
     if T == 0 or B == 0 or L == 0:
         return mass
-    interp = _interpreting()
+    interp = interpreting()
     block_m, block_n = 16, 32 if interp else 64
     bt = meta.block_tables
     _kernel()[(B, triton.cdiv(L, block_n), Hkv)](
@@ -114,7 +108,7 @@ def triton_attention_mass(q: torch.Tensor, k_cache: torch.Tensor, meta: Attentio
         bt, meta.seq_lens, meta.query_start_loc,
         float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window),
         *q.stride(), *k_cache.stride(), *lse.stride(), *mass.stride(), bt.stride(0), bt.stride(1),
-        GROUP=G, PAGE=k_cache.shape[1], HEAD_DIM=D, BLOCK_D=_pow2(D),
+        GROUP=G, PAGE=k_cache.shape[1], HEAD_DIM=D, BLOCK_D=pow2(D),
         BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window > 0,
         IEEE_DOT=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),

@@ -9,7 +9,7 @@ emits the op for a CPU graph.
 """
 from __future__ import annotations
 
-from .c_build import TorchOpKernel
+from ..native.build import TorchOpKernel
 
 _KERNEL = TorchOpKernel("cpu_rotary_op.cpp", "devin_compile.ops.rotary_heads")
 

@@ -48,30 +48,15 @@ jitted on first use, so the interpreter setting in force at that moment applies.
 """
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 
-from ..runtime.context import AttentionMetadata
+from ...step import AttentionMetadata
 from .registry import register_backend
 
-try:  # pragma: no cover - exercised by whether triton is installed
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # ImportError, or a broken triton install
-    triton = None
-    tl = None
-    _HAVE_TRITON = False
+from .triton_common import HAVE_TRITON, interpreting, pow2, tl, triton
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # --------------------------------------------------------------------------- kernels
@@ -227,17 +212,13 @@ _JITTED: dict[bool, tuple] = {}
 
 def _kernels():
     """(kv_write, paged_attn) jitted for the current interpreter setting (cached)."""
-    key = _interpreting()
+    key = interpreting()
     if key not in _JITTED:
         _JITTED[key] = (triton.jit(_kv_write_kernel), triton.jit(_paged_attn_kernel))
     return _JITTED[key]
 
 
 # --------------------------------------------------------------------------- host side
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def _tiles(rows_per_seq: int, head_dim: int, interpreting: bool) -> tuple[int, int, int]:
@@ -262,10 +243,10 @@ def triton_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     write[(T,)](
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_KV_HEADS=Hkv, BLOCK_H=_pow2(Hkv, 1),
-        HEAD_DIM=D, BLOCK_D=_pow2(D, 1), HEAD_DIM_V=Dv, BLOCK_DV=_pow2(Dv, 1),
+        NUM_KV_HEADS=Hkv, BLOCK_H=pow2(Hkv, 1),
+        HEAD_DIM=D, BLOCK_D=pow2(D, 1), HEAD_DIM_V=Dv, BLOCK_DV=pow2(Dv, 1),
         PAGE=k_cache.shape[1],
-        num_warps=1 if _interpreting() else 4,
+        num_warps=1 if interpreting() else 4,
     )
 
 
@@ -287,7 +268,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     B = meta.num_seqs
     if T == 0 or B == 0 or meta.max_query_len == 0:
         return out.zero_()
-    interp = _interpreting()
+    interp = interpreting()
     block_m, block_n, num_warps = _tiles(meta.max_query_len * G, max(D, Dv), interp)
     grid = (B, triton.cdiv(meta.max_query_len * G, block_m), Hkv)
     bt = meta.block_tables
@@ -300,7 +281,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *q.stride(), *out.stride(), lse_t.stride(0), lse_t.stride(1),
         *k_cache.stride(), *v_cache.stride(), bt.stride(0), bt.stride(1),
         GROUP=G, PAGE=k_cache.shape[1],
-        HEAD_DIM=D, BLOCK_D=_pow2(D), HEAD_DIM_V=Dv, BLOCK_DV=_pow2(Dv),
+        HEAD_DIM=D, BLOCK_D=pow2(D), HEAD_DIM_V=Dv, BLOCK_DV=pow2(Dv),
         BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window > 0,
         # fp32 inputs: IEEE fp32 dots (no TF32). The interpreter's bf16 dot is broken (it multiplies
@@ -317,17 +298,17 @@ class TritonPagedBackend:
     priority = 20
 
     def is_available(self, device: torch.device) -> bool:
-        if not _HAVE_TRITON:
+        if not HAVE_TRITON:
             return False
         device = torch.device(device)
         if device.type == "cuda":
             return torch.cuda.is_available()
-        return device.type == "cpu" and _interpreting()
+        return device.type == "cpu" and interpreting()
 
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
                  block_size: int | None = None) -> bool:
         # Any block_size works: kv positions are mapped to pages one by one, not per tile.
-        return _HAVE_TRITON and dtype in _SUPPORTED_DTYPES and 0 < head_dim <= _MAX_HEAD_DIM
+        return HAVE_TRITON and dtype in _SUPPORTED_DTYPES and 0 < head_dim <= _MAX_HEAD_DIM
 
     def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
         triton_write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..runtime.context import AttentionMetadata, add_step_hook
+from ...step import AttentionMetadata, add_step_hook
 from . import cpu_paged_decode
 from .kv_write import gather_sequence, write_kv
 from .length_groups import group_by_length

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.context import AttentionMetadata
+from ...step import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

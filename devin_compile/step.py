@@ -1,4 +1,7 @@
-"""Per-step context: how runtime state reaches ``devin::`` ops.
+"""The bottom floor: per-step metadata, the step context and hooks, the backend protocol.
+
+What ops, backends and the runtime share, and nothing above it: this module imports only
+torch. How runtime state reaches ``devin::`` ops:
 
 Graphs never hold block tables, slot mappings or sequence lengths as constants. The
 runtime builds an :class:`AttentionMetadata` for each step and installs it, together
@@ -23,13 +26,9 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from ..backends.registry import AttentionBackend
-    from .kv_cache import PagedKVCache
 
 
 @dataclass
@@ -91,13 +90,46 @@ class AttentionMetadata:
         )
 
 
+class PagedKV(Protocol):
+    """What ops read of the paged KV cache (runtime.kv_cache.PagedKVCache implements it)."""
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    """A kernel behind ``devin::paged_attention`` (backends/attention/ registers them)."""
+
+    name: str
+    priority: int
+
+    def is_available(self, device: torch.device) -> bool: ...
+
+    def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
+                 block_size: int | None = None) -> bool:
+        """False to decline one call (it then runs on the torch reference)."""
+        ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        *, scale: float, softcap: float, sliding_window: int,
+    ) -> torch.Tensor:
+        """Write k/v ([T, Hkv, D]) into the paged cache at ``meta.slot_mapping``, then attend.
+
+        q: [T, Hq, D]; returns [T, Hq, Dv] in q's dtype.
+        """
+        ...
+
+
 @dataclass
 class StepContext:
     """What ops may read during one forward: metadata, the KV cache, the backend."""
 
     attn: AttentionMetadata
-    kv_cache: "PagedKVCache"
-    backend: "AttentionBackend"
+    kv_cache: PagedKV
+    backend: AttentionBackend
     kv_prune: Any = None  # runtime.kv_prune.PruneStep on steps where a sequence prunes its KV cache
 
 
@@ -138,6 +170,6 @@ def current_context() -> StepContext:
         raise RuntimeError(
             "devin::paged_attention ran outside a runtime step: no step context is installed. "
             "Run the compiled graph through devin_compile's Engine/OptimizedModel, or wrap the call "
-            "in devin_compile.runtime.context.step_context(...)."
+            "in devin_compile.step.step_context(...)."
         )
     return ctx

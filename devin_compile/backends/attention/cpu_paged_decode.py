@@ -24,7 +24,7 @@ import ctypes
 
 import torch
 
-from .c_build import CKernel, TorchOpKernel
+from ..native.build import CKernel, TorchOpKernel
 
 CHUNK = 256  # most keys per task; fewer when the step has few keys, so every thread gets work
 MIN_CHUNK = 32
@@ -93,7 +93,7 @@ def write_supported(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Copy new rows k/v [T, Hkv, D] into the pools at flat ``slots`` (int64 [T]; -1: skip), in one
-    C call (the torch path, :func:`~devin_compile.backends.kv_write.write_kv`, makes four ops)."""
+    C call (the torch path, :func:`~devin_compile.backends.attention.kv_write.write_kv`, makes four ops)."""
     lib = load()
     if lib is None:
         raise RuntimeError("the C decode-attention kernel is unavailable on this machine (see the log)")

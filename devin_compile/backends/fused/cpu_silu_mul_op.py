@@ -5,7 +5,7 @@ loads it when it emits the op for a CPU graph.
 """
 from __future__ import annotations
 
-from .c_build import TorchOpKernel
+from ..native.build import TorchOpKernel
 
 _KERNEL = TorchOpKernel("cpu_silu_mul_op.cpp", "devin_compile.ops.silu_mul")
 

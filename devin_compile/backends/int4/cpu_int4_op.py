@@ -13,7 +13,7 @@ Python kernel serves every call.
 """
 from __future__ import annotations
 
-from .c_build import TorchOpKernel
+from ..native.build import TorchOpKernel
 
 _KERNEL = TorchOpKernel("cpu_int4_op.cpp", "devin_compile.ops.int4_linear", c_source="cpu_int4_linear.c")
 

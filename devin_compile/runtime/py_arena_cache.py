@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 
-from .c_build import CKernel
+from ..backends.native.build import CKernel
 
 class _ArenaAllocator(ctypes.Structure):
     """``PyObjectArenaAllocator``: ctx, alloc(ctx, size), free(ctx, ptr, size)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.context import AttentionMetadata
+from ...step import AttentionMetadata
 from .kv_write import gather_sequence
 
 

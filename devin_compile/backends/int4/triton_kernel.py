@@ -4,7 +4,7 @@ Imported only when the kernel first runs (so importing devin_compile never impor
 and ``TRITON_INTERPRET=1`` set by then makes it run on CPU under the interpreter).
 Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``; each program walks K in BLOCK_K steps, loads
 the x tile, the packed bytes of its [BLOCK_K, BLOCK_N] weight tile (two columns a byte along
-K, even column low, see :mod:`devin_compile.quant.int4`), unpacks, dequantizes with its
+K, even column low, see :mod:`devin_compile.backends.int4.format`), unpacks, dequantizes with its
 group's (scale, zero) (``w = (q - 8)·scale + zero``) and accumulates in fp32 with ``tl.dot``.
 fp32 inputs (and every input under the interpreter, whose bf16 dot is unreliable) use IEEE
 fp32 dots; bf16/fp16 inputs on GPU use half-precision dots with fp32 accumulation.

@@ -8,7 +8,7 @@ the int4 op's kernel (:class:`.c_build.TorchOpKernel`, ~10 s once, then cached);
 """
 from __future__ import annotations
 
-from .c_build import TorchOpKernel
+from ..native.build import TorchOpKernel
 
 _KERNEL = TorchOpKernel("cpu_rms_norm_op.cpp", "devin_compile.ops.rms_norm")
 

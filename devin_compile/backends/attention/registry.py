@@ -1,6 +1,6 @@
 """Attention backend registry: which kernel runs behind ``devin::paged_attention``.
 
-A backend implements :class:`AttentionBackend`. Selection order: the explicit
+A backend implements :class:`devin_compile.step.AttentionBackend`. Selection order: the explicit
 ``attention_backend`` option, else ``DEVIN_ATTENTION_BACKEND``, else the available
 backend with the highest priority for the device. A backend that cannot serve one
 particular call (say, logit soft-capping) declines it in :meth:`supports`, and that
@@ -9,35 +9,10 @@ call runs on the torch reference, which serves everything and is the test oracle
 from __future__ import annotations
 
 import os
-from typing import Protocol
 
 import torch
 
-from ..runtime.context import AttentionMetadata
-
-
-class AttentionBackend(Protocol):
-    name: str
-    priority: int
-
-    def is_available(self, device: torch.device) -> bool: ...
-
-    def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None) -> bool:
-        """False to decline one call (it then runs on the torch reference)."""
-        ...
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-        *, scale: float, softcap: float, sliding_window: int,
-    ) -> torch.Tensor:
-        """Write k/v ([T, Hkv, D]) into the paged cache at ``meta.slot_mapping``, then attend.
-
-        q: [T, Hq, D]; returns [T, Hq, Dv] in q's dtype.
-        """
-        ...
-
+from ...step import AttentionBackend
 
 _BACKENDS: dict[str, AttentionBackend] = {}
 

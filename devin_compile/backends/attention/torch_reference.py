@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.context import AttentionMetadata
+from ...step import AttentionMetadata
 from .attention_scores import group_mass
 from .kv_write import gather_sequence, write_kv
 from .registry import register_backend
@@ -31,7 +31,7 @@ def reference_paged_attention(
 
     With ``mass_out`` (a dict pre-filled with the batch rows wanted), also stores each such
     row's attention mass [Hkv, kv_len] (summed over its queries and each KV head's query
-    group; see backends/attention_scores.py) under its row index.
+    group; see backends/attention/attention_scores.py) under its row index.
     """
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
