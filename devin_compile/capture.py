@@ -23,6 +23,9 @@ silent fallback to eager.
   attention runs one KV head whatever ``config.num_kv_heads`` says);
 - sliding windows: observed from the masks HF builds in a short probe forward (see
   :func:`_sliding_windows`), since some families keep the window only in the config.
+- causality: encoder attention (``is_causal=False`` modules, e.g. BERT with
+  ``is_decoder=False``, or a mask that lets every token see every other) is refused, not
+  served as causal.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import inspect
 import re
 import traceback
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.fx
@@ -153,6 +157,16 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
     )
 
 
+def _refuse_bidirectional(model: torch.nn.Module, where: str) -> NoReturn:
+    """Raise for encoder attention, which capture would otherwise serve as if it were causal."""
+    raise UnsupportedModelError(
+        f"{where}: {type(model).__name__} (model_type {getattr(model.config, 'model_type', '?')!r}) uses "
+        "bidirectional (encoder) attention, which is not causal: each token also attends to the tokens after "
+        "it, and the paged runtime serves only causal attention. devin-compile compiles causal LMs: load a "
+        "decoder-only model with AutoModelForCausalLM (a BERT-style model needs config.is_decoder=True)"
+    )
+
+
 _MISSING = object()
 _PROBE_LEN = 6
 _PROBE_WINDOW = 2
@@ -190,8 +204,10 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
     attribute names a window too wide for the probe to see; a layer whose mask is the
     causal band of width ``_PROBE_WINDOW`` uses ``config.sliding_window``; any other mask
     (chunked attention, bidirectional prefixes, ALiBi biases folded into the mask, ...)
-    raises :class:`UnsupportedModelError`. If the probe cannot run or a mask is not a
-    plain [q, kv] tensor, the modules' ``sliding_window`` attributes are used.
+    raises :class:`UnsupportedModelError`. If the probe cannot run or a mask is not a plain
+    [q, kv] tensor, the modules' ``sliding_window`` attributes are used. Encoder attention
+    (an all-visible mask; else, with no mask to read, ``is_causal=False`` in the call or on
+    the module) raises :func:`_refuse_bidirectional`'s error.
     """
     fallback = _attribute_windows(attn)
     if not attn:
@@ -206,6 +222,7 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
               if _width(name) is not None}
     saved = {name: getattr(text_cfg, name) for name in shrink}
     masks: dict[str, object] = {}
+    causal_flags: dict[str, object] = {}  # an explicit is_causal= argument, if the call passed one
     hooks = []
 
     def recorder(name: str, module: torch.nn.Module):
@@ -217,6 +234,7 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
             except TypeError:
                 bound = kwargs
             masks.setdefault(name, bound.get("attention_mask", _MISSING))
+            causal_flags.setdefault(name, bound.get("is_causal", kwargs.get("is_causal")))
 
         return hook
 
@@ -233,7 +251,7 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
         with torch.no_grad():
             model(input_ids=ids, position_ids=torch.arange(L, device=param.device)[None], use_cache=False)
     except Exception:  # noqa: BLE001  (capture will report the real problem, if any)
-        return fallback
+        masks.clear()  # nothing observed: the modules' attributes decide below
     finally:
         for h in hooks:
             h.remove()
@@ -243,20 +261,24 @@ def _sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, tor
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     band = causal & ~torch.ones(L, L, dtype=torch.bool).tril(-_PROBE_WINDOW)
     out: dict[str, int] = {}
-    for n, _m in attn:
+    for n, m in attn:
         mask = masks.get(n, _MISSING)
-        if mask is None:
-            out[n] = -1
-            continue
         vis = _visible(mask) if isinstance(mask, torch.Tensor) else None
         if vis is None or tuple(vis.shape) != (L, L):
-            out[n] = fallback[n]
+            # No mask to read (None: SDPA / flash attention follow is_causal, HF's default True), so the
+            # call's is_causal= or the module's is_causal decides (False: e.g. BERT with is_decoder=False).
+            flag = causal_flags.get(n)
+            if (flag if flag is not None else getattr(m, "is_causal", True)) is False:
+                _refuse_bidirectional(model, n)
+            out[n] = -1 if mask is None else fallback[n]
             continue
         vis = vis.cpu()
         if torch.equal(vis, causal):
             out[n] = fallback[n] if fallback[n] >= L else -1
         elif has_window and torch.equal(vis, band):
             out[n] = int(window)
+        elif bool(vis.all()):
+            _refuse_bidirectional(model, n)
         else:
             raise UnsupportedModelError(
                 f"{n}: the attention mask {type(model).__name__} builds is neither causal nor a causal "

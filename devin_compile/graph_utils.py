@@ -1,6 +1,8 @@
 """Small FX helpers shared by passes: new nodes with shape metadata, arg walking."""
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -90,3 +92,17 @@ def remove_unused_attributes(gm: torch.fx.GraphModule) -> None:
                 del owner._parameters[attr]
             elif attr in owner._buffers:
                 del owner._buffers[attr]
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """``copy.deepcopy(graph)`` without torch's spurious LeafSpec FutureWarning.
+
+    ``Graph.__deepcopy__`` deep-copies the pytree specs of the graph's signature, and
+    rebuilding a ``LeafSpec`` goes through its deprecated constructor (torch 2.9+), which
+    warns on every copy although nothing here uses the deprecated API. Only that warning
+    is silenced, and only for this copy.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        return copy.deepcopy(graph)

@@ -26,12 +26,11 @@ Invariant: for every bucket, the compiled callable returns the decode graph's lo
 """
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 
-from ..graph_utils import fake_value
+from ..graph_utils import copy_graph, fake_value
 from ..pipeline import Pass, PassContext, PassError, PassResult, Program
 
 
@@ -83,7 +82,7 @@ def _for_inductor(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     from ..ops.silu_mul import silu_mul
 
     inline = {torch.ops.devin.rotary_heads.default: rotary_heads, torch.ops.devin.silu_mul.default: silu_mul}
-    graph = copy.deepcopy(gm.graph)
+    graph = copy_graph(gm.graph)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.devin.rms_norm.default:
             x, w, eps = node.args

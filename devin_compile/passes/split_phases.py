@@ -23,12 +23,10 @@ later passes can specialise one phase by looking at the ``phase`` name.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.fx
 
-from ..graph_utils import is_call
+from ..graph_utils import copy_graph, is_call
 from ..pipeline import Pass, PassContext, PassError, PassResult, Program
 
 aten = torch.ops.aten
@@ -63,7 +61,7 @@ class SplitPhases(Pass):
         main = program.graphs.get("main")
         if main is None:
             raise PassError(f"split_phases needs a 'main' graph, got {list(program.graphs)}")
-        graph = copy.deepcopy(main.graph)
+        graph = copy_graph(main.graph)
         # GraphModule(root, graph) binds each get_attr target to the root's tensor object:
         # the decode graph shares every weight with prefill.
         decode = torch.fx.GraphModule(main, graph, class_name="DecodeGraph")
