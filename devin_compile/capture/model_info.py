@@ -1,0 +1,109 @@
+"""ModelInfo: the facts about an HF model that passes and the runtime need, read structurally."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import UnsupportedModelError
+from .mask_probe import sliding_windows
+
+
+@dataclass
+class ModelInfo:
+    """Facts about the captured model that passes and the runtime need."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: list[int]
+    attention_modules: list[str] = field(default_factory=list)  # graph-qualified names, in layer order
+    sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module → window (if any)
+
+
+def _eos_ids(model) -> list[int]:
+    ids = []
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if e is None:
+            continue
+        ids.extend(e if isinstance(e, (list, tuple)) else [e])
+    return sorted(set(int(i) for i in ids))
+
+
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Decoder attention modules in layer order (class name ending in 'Attention')."""
+    return [(n, m) for n, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def _module_kv_heads(attn: list[tuple[str, torch.nn.Module]], heads: int) -> int | None:
+    """KV heads as the attention modules themselves use them, when they say so.
+
+    The config can disagree with the module: Falcon's multi-query attention keeps
+    ``config.num_kv_heads == num_attention_heads`` but runs with one KV head. Modules
+    expose ``num_key_value_heads`` / ``num_kv_heads`` or ``num_key_value_groups``
+    (query heads per KV head); if all layers agree on one value, it wins over the config.
+    """
+    found = set()
+    for _n, m in attn:
+        for name in ("num_key_value_heads", "num_kv_heads"):
+            v = getattr(m, name, None)
+            if isinstance(v, int) and v > 0:
+                found.add(v)
+                break
+        else:
+            g = getattr(m, "num_key_value_groups", None)
+            if isinstance(g, int) and g > 0 and heads % g == 0:
+                found.add(heads // g)
+    return found.pop() if len(found) == 1 else None
+
+
+def model_info(model: torch.nn.Module) -> ModelInfo:
+    """Read the facts the compiler needs from an HF model, or say why it is unsupported."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "forward"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a Hugging Face PreTrainedModel (no .config); "
+            "pass an AutoModelForCausalLM model"
+        )
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder model; devin-compile compiles decoder-only causal LMs"
+        )
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.forward has no `logits_to_keep` argument, so it is not a "
+            "causal-LM head model; load it with AutoModelForCausalLM"
+        )
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    needed = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size")
+    missing = [k for k in needed if getattr(text_cfg, k, None) is None]
+    if missing:
+        raise UnsupportedModelError(f"{type(model).__name__}'s config lacks {missing}; not a decoder LM config")
+    heads = text_cfg.num_attention_heads
+    attn = _attention_modules(model)
+    kv_heads = _module_kv_heads(attn, heads) or getattr(text_cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
+    param = next(model.parameters())
+    return ModelInfo(
+        model_type=getattr(cfg, "model_type", type(model).__name__),
+        num_layers=text_cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=text_cfg.vocab_size,
+        max_model_len=int(getattr(text_cfg, "max_position_embeddings", 0) or 2048),
+        dtype=param.dtype,
+        device=param.device,
+        eos_token_ids=_eos_ids(model),
+        attention_modules=["m." + n for n, _ in attn],
+        sliding_windows={"m." + n: w for n, w in sliding_windows(model, text_cfg, attn).items()},
+    )
