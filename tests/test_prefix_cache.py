@@ -27,6 +27,7 @@ from devin_compile.runtime.engine import Engine
 from devin_compile.runtime.kv_cache import BlockAllocator, KVCacheExhaustedError, KVCacheSpec, PagedKVCache
 from devin_compile.runtime.model_runner import ModelRunner
 from devin_compile.runtime.prefix_cache import ROOT, PrefixCache, block_hash, chain_hashes, encode_block
+from devin_compile.runtime.runner_protocol import Runner
 from devin_compile.runtime.sampling import SamplingParams
 from devin_compile.runtime.sequence import Status
 
@@ -334,6 +335,8 @@ class PrefixRunner:
     """
 
     vocab_size = 32
+    backend = None  # no attention backend (the engine only asks it for KV pruning)
+    attention_real_keys = attention_padded_keys = 0  # no padded batched attention
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.kv_cache = PagedKVCache(KVCacheSpec(1, 1, 1, torch.float32, block_size), num_blocks)
@@ -342,7 +345,14 @@ class PrefixRunner:
         self.engine: Engine | None = None
         self.written_blocks: list[int] = []
 
-    def execute(self, batch):
+    def forward_logits(self, token_ids, block_table):
+        """Every position's logits: one-hot on the token that follows its prefix."""
+        logits = torch.zeros((len(token_ids), self.vocab_size))
+        for p in range(len(token_ids)):
+            logits[p, next_token(tuple(token_ids[:p + 1]))] = 1.0
+        return logits
+
+    def execute(self, batch, kv_prune=None):
         bs = self.block_size
         alloc = self.engine.allocator
         rows, owners = [], []
@@ -447,6 +457,7 @@ def test_random_traffic_with_colliding_hash(num_blocks, block_size, max_num_seqs
 
 def run_traffic(num_blocks, block_size, max_num_seqs, max_batched, ops, seed):
     runner = PrefixRunner(num_blocks, block_size)
+    assert isinstance(runner, Runner)  # the stand-in implements the engine's runner interface
     engine = Engine(runner, SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched),
                     max_model_len=1000, debug_checks=True)
     runner.engine = engine
