@@ -544,3 +544,40 @@ def test_cpu_pool_is_zeroed_and_writable():
     k, v = pool.layer(1)
     k[3, 2] = 1.5
     assert pool.data[1, 0, 3, 2].eq(1.5).all() and pool.data.sum().item() == 1.5 * 2 * 8
+
+
+def test_copy_on_write_release_tail_and_unregister():
+    """The allocator / pool methods KV pruning's compaction edits the pool through."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, block_size=2)
+    pool = PagedKVCache(spec, 6)
+    cache = PrefixCache(2)
+    alloc = BlockAllocator(6, cache)
+    a = alloc.allocate(3)  # [0, 1, 2]
+    alloc.acquire(a[0])  # block 0 shared by a second owner
+    pool.data[:, :, a[0]] = 7.0
+    assert alloc.is_shared(a[0]) and not alloc.is_shared(a[1])
+    copy = alloc.copy_on_write(a[0], pool)
+    assert copy not in a and pool.data[:, :, copy].eq(7.0).all()
+    assert alloc.ref_count[a[0]] == 1 and alloc.ref_count[copy] == 1  # the other owner keeps block 0
+    _register(cache, a[1], 101)
+    assert alloc.is_registered(a[1])
+    alloc.unregister(a[1])
+    assert not alloc.is_registered(a[1]) and a[1] not in cache
+    alloc.acquire(a[2])
+    assert alloc.num_freed_by([a[1], a[2]]) == 1
+    free0 = alloc.num_free
+    assert alloc.release_tail([a[1], a[2]]) == 1 and alloc.num_free == free0 + 1
+    assert alloc.ref_count[a[2]] == 1
+    with pytest.raises(RuntimeError, match="only an owned block"):
+        alloc.unregister(a[1])
+    # slot moves: gather before, scatter after, by (layer, flat slot)
+    table = [copy, a[2]]
+    offsets = torch.tensor([0, 3])
+    slots = pool.slot_ids(table, offsets)
+    assert slots.tolist() == [copy * 2, a[2] * 2 + 1]
+    layers = torch.tensor([0, 1])
+    pool.data[1, :, a[2], 1] = 3.0
+    got = pool.gather_slots(layers, slots)
+    assert got.shape == (2, 2, 1, 2) and got[0].eq(7.0).all() and got[1].eq(3.0).all()
+    pool.scatter_slots(layers, slots.flip(0), got)
+    assert pool.data[0, :, a[2], 1].eq(7.0).all() and pool.data[1, :, copy, 0].eq(3.0).all()

@@ -11,6 +11,10 @@ is not owned is an error. With a :class:`~devin_compile.runtime.prefix_cache.Pre
 a free block may still be *cached* (registered, content valid): it counts as free, can be
 revived by a prefix hit, and is evicted, least recently used first, only once no uncached
 free block is left.
+
+KV pruning's compaction edits the pool only through methods here: ``BlockAllocator``'s
+``release_tail`` / ``copy_on_write`` / ``unregister`` and ``PagedKVCache``'s
+``gather_slots`` / ``scatter_slots`` / ``copy_block``.
 """
 from __future__ import annotations
 
