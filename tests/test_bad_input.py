@@ -309,3 +309,58 @@ def test_generate_reports_the_failed_request_with_the_others_results(opt, model)
     assert ok.error is None and ok.output_ids == hf_greedy(model, prompt_of(3, 10), 4)
     assert bad.error and "KV cache exhausted" in bad.error
     assert opt.engine.allocator.num_used == 0
+
+
+# ----------------------------------------------------------------------------------------
+# Empty input: a clear ValueError, never a raw reshape error or a silent empty result
+
+
+@pytest.mark.parametrize("input_ids", [torch.zeros(1, 0), torch.zeros(1, 0, dtype=torch.long),
+                                       torch.zeros(3, 0, dtype=torch.long)])
+def test_call_with_an_empty_sequence(opt, input_ids):
+    with pytest.raises(ValueError, match=r"empty sequence has no positions.*at least one token"):
+        opt(input_ids)
+    assert opt.engine.allocator.num_used == 0
+
+
+def test_call_with_an_empty_batch(opt):
+    with pytest.raises(ValueError, match=r"shape \(0, 3\): an empty batch.*at least one row"):
+        opt(torch.zeros(0, 3, dtype=torch.long))
+
+
+def test_call_with_a_fully_masked_row(opt):
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match=r"row 1 of input_ids has no tokens under attention_mask"):
+        opt(ids, attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]))
+    assert opt.engine.allocator.num_used == 0
+
+
+def test_generate_on_an_empty_batch_raises_like_hf(opt):
+    with pytest.raises(ValueError, match=r"empty batch \(no prompts\)"):
+        opt.generate([])
+    with pytest.raises(ValueError, match=r"empty batch"):
+        opt.generate(input_ids=torch.zeros(0, 3, dtype=torch.long))
+    assert not opt.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("prompts, index", [([[]], 0), ([[5, 6], []], 1), ([[5], [6], ()], 2)])
+def test_generate_with_an_empty_prompt_in_the_batch(opt, prompts, index):
+    with pytest.raises(ValueError, match=rf"prompt {index}: empty prompt: give at least one token"):
+        opt.generate(prompts, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 0: empty prompt"):
+        opt.generate(input_ids=torch.zeros(1, 0, dtype=torch.long))
+    assert not opt.engine.has_unfinished() and opt.engine.allocator.num_used == 0
+
+
+def test_engine_forward_logits_checks_and_returns_its_blocks(engine, model):
+    ids = prompt_of(6, 12)
+    got = engine.forward_logits(ids)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got.float().cpu(), want, atol=1e-4, rtol=1e-4)
+    assert engine.allocator.num_used == 0
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.forward_logits([])
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers"):
+        engine.forward_logits([5, VOCAB])
+    assert engine.allocator.num_used == 0

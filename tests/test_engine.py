@@ -426,3 +426,28 @@ def test_call_logits_equal_hf(opt, model):
     torch.testing.assert_close(got[1, 4:], row, atol=1e-4, rtol=1e-4)
     assert torch.count_nonzero(got[1, :4]) == 0
     assert_pool_empty(opt.engine)
+
+
+def test_engine_takes_the_resolved_kv_prune_setting(opt):
+    """optimize() resolves KV pruning once and hands the engine a KVPruneConfig or None; the
+    engine neither coerces nor looks at graphs."""
+    with pytest.raises(TypeError, match="KVPruneConfig or None"):
+        Engine(opt.engine.runner, SchedulerConfig(), max_model_len=64, kv_prune={"threshold": 0.1})
+    assert opt.engine.kv_prune is None and opt.engine.pruner is None
+
+
+def test_engine_generate_raise_on_error_carries_every_result(opt, hf):
+    engine = make_engine(opt, 64)
+
+    def boom(ids, logits):
+        raise KeyError("boom")
+
+    prompts = [prompt_of(4, 80), prompt_of(5, 81)]
+    with pytest.raises(RequestError, match="boom") as ei:
+        engine.generate(prompts, [greedy(3), greedy(3, logits_processors=[boom])], raise_on_error=True)
+    ok, bad = ei.value.results
+    assert ok.error is None and ok.output_ids == hf(prompts[0], 3)
+    assert bad.error and ei.value.request_id == bad.request_id
+    with pytest.raises(ValueError, match=r"prompt 1: empty prompt"):
+        engine.generate([prompts[0], []], greedy(2))
+    assert_pool_empty(engine)

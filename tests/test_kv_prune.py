@@ -61,8 +61,9 @@ def engine_over(opt, *, num_blocks=96, backend=None, prefix=True, kv_prune=None,
     cache = PagedKVCache(KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, 4), num_blocks)
     runner = ModelRunner(opt.program, cache, vocab_size=info.vocab_size,
                          backend=backend or get_backend("cpu_sdpa"))
+    setting = opt.optimize_config.kv_prune if kv_prune is None else KVPruneConfig.coerce(kv_prune)
     return Engine(runner, SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched),
-                  max_model_len=512, enable_prefix_caching=prefix, debug_checks=True, kv_prune=kv_prune)
+                  max_model_len=512, enable_prefix_caching=prefix, debug_checks=True, kv_prune=setting)
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -27,6 +27,7 @@ from devin_compile.runtime.engine import Engine
 from devin_compile.runtime.kv_cache import BlockAllocator, KVCacheExhaustedError, KVCacheSpec, PagedKVCache
 from devin_compile.runtime.model_runner import ModelRunner
 from devin_compile.runtime.prefix_cache import ROOT, PrefixCache, block_hash, chain_hashes, encode_block
+from devin_compile.runtime.runner_protocol import Runner
 from devin_compile.runtime.sampling import SamplingParams
 from devin_compile.runtime.sequence import Status
 
@@ -334,6 +335,8 @@ class PrefixRunner:
     """
 
     vocab_size = 32
+    backend = None  # no attention backend (the engine only asks it for KV pruning)
+    attention_real_keys = attention_padded_keys = 0  # no padded batched attention
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.kv_cache = PagedKVCache(KVCacheSpec(1, 1, 1, torch.float32, block_size), num_blocks)
@@ -342,7 +345,14 @@ class PrefixRunner:
         self.engine: Engine | None = None
         self.written_blocks: list[int] = []
 
-    def execute(self, batch):
+    def forward_logits(self, token_ids, block_table):
+        """Every position's logits: one-hot on the token that follows its prefix."""
+        logits = torch.zeros((len(token_ids), self.vocab_size))
+        for p in range(len(token_ids)):
+            logits[p, next_token(tuple(token_ids[:p + 1]))] = 1.0
+        return logits
+
+    def execute(self, batch, kv_prune=None):
         bs = self.block_size
         alloc = self.engine.allocator
         rows, owners = [], []
@@ -447,6 +457,7 @@ def test_random_traffic_with_colliding_hash(num_blocks, block_size, max_num_seqs
 
 def run_traffic(num_blocks, block_size, max_num_seqs, max_batched, ops, seed):
     runner = PrefixRunner(num_blocks, block_size)
+    assert isinstance(runner, Runner)  # the stand-in implements the engine's runner interface
     engine = Engine(runner, SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched),
                     max_model_len=1000, debug_checks=True)
     runner.engine = engine
@@ -533,3 +544,40 @@ def test_cpu_pool_is_zeroed_and_writable():
     k, v = pool.layer(1)
     k[3, 2] = 1.5
     assert pool.data[1, 0, 3, 2].eq(1.5).all() and pool.data.sum().item() == 1.5 * 2 * 8
+
+
+def test_copy_on_write_release_tail_and_unregister():
+    """The allocator / pool methods KV pruning's compaction edits the pool through."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, block_size=2)
+    pool = PagedKVCache(spec, 6)
+    cache = PrefixCache(2)
+    alloc = BlockAllocator(6, cache)
+    a = alloc.allocate(3)  # [0, 1, 2]
+    alloc.acquire(a[0])  # block 0 shared by a second owner
+    pool.data[:, :, a[0]] = 7.0
+    assert alloc.is_shared(a[0]) and not alloc.is_shared(a[1])
+    copy = alloc.copy_on_write(a[0], pool)
+    assert copy not in a and pool.data[:, :, copy].eq(7.0).all()
+    assert alloc.ref_count[a[0]] == 1 and alloc.ref_count[copy] == 1  # the other owner keeps block 0
+    _register(cache, a[1], 101)
+    assert alloc.is_registered(a[1])
+    alloc.unregister(a[1])
+    assert not alloc.is_registered(a[1]) and a[1] not in cache
+    alloc.acquire(a[2])
+    assert alloc.num_freed_by([a[1], a[2]]) == 1
+    free0 = alloc.num_free
+    assert alloc.release_tail([a[1], a[2]]) == 1 and alloc.num_free == free0 + 1
+    assert alloc.ref_count[a[2]] == 1
+    with pytest.raises(RuntimeError, match="only an owned block"):
+        alloc.unregister(a[1])
+    # slot moves: gather before, scatter after, by (layer, flat slot)
+    table = [copy, a[2]]
+    offsets = torch.tensor([0, 3])
+    slots = pool.slot_ids(table, offsets)
+    assert slots.tolist() == [copy * 2, a[2] * 2 + 1]
+    layers = torch.tensor([0, 1])
+    pool.data[1, :, a[2], 1] = 3.0
+    got = pool.gather_slots(layers, slots)
+    assert got.shape == (2, 2, 1, 2) and got[0].eq(7.0).all() and got[1].eq(3.0).all()
+    pool.scatter_slots(layers, slots.flip(0), got)
+    assert pool.data[0, :, a[2], 1].eq(7.0).all() and pool.data[1, :, copy, 0].eq(3.0).all()

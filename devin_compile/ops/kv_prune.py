@@ -10,7 +10,7 @@ this step's K/V are in the cache). It reads ``StepContext.kv_prune`` (a
 :class:`~devin_compile.runtime.kv_prune.PruneStep`); when no sequence prunes this step that
 is None and the op returns at once. Otherwise it takes the attention-mass side output the
 backend left for this layer, or, for backends without one, recomputes the mass of the
-sequences evaluating this step, and accumulates it (normalisation: see runtime/kv_prune.py).
+sequences evaluating this step, and accumulates it (normalisation: see runtime/kv_prune/scores.py).
 Eviction and compaction run after the forward (they need every layer's scores).
 Side-effecting (registered with ``torch.fx.node.has_side_effect``): never dead code.
 """

@@ -1,10 +1,12 @@
 """Engine: requests in, tokens out, one scheduled step at a time.
 
 ``add_request`` validates and queues; ``step`` asks the scheduler for a plan, runs it on
-the ModelRunner, samples, appends tokens, and finishes requests on EOS / stop tokens /
+the runner (a :class:`~devin_compile.runtime.runner_protocol.Runner`, normally the
+ModelRunner), samples, appends tokens, and finishes requests on EOS / stop tokens /
 ``max_new_tokens``. ``generate`` drives steps until a batch is done; ``stream`` yields
-one request's tokens as they appear. A request that fails (an invalid prompt, a
-logits-processor error, a pool it can never fit in) fails alone: the others go on.
+one request's tokens as they appear; ``forward_logits`` is a full-sequence forward. A
+request that fails (an invalid prompt, a logits-processor error, a pool it can never fit
+in) fails alone: the others go on.
 
 With ``enable_prefix_caching`` (the default) full KV blocks are shared between requests
 with a common prefix (see :mod:`~devin_compile.runtime.prefix_cache`); after every step
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Iterator, Sequence as Seq
 
 import torch
@@ -23,62 +24,32 @@ import torch
 from . import py_arena_cache
 from ..config import SchedulerConfig
 from ..config import KVPruneConfig
+from .engine_metrics import SLOT_SAMPLE_EVERY, EngineMetrics, slot_usage
 from .kv_cache import BlockAllocator
-from .kv_prune import KVPruner, has_kv_prune_nodes, resolve_request
-from .model_runner import ModelRunner
+from .kv_prune import KVPruner, resolve_request
 from .prefix_cache import PrefixCache
+from .request_output import RequestError, RequestOutput
+from .runner_protocol import Runner
 from .sampling import SamplingParams, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
 
-class RequestError(RuntimeError):
-    """A request failed; ``.request_id`` names it and the message says why."""
-
-    def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(f"request {request_id}: {message}")
-        self.request_id = request_id
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    new_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
-    metrics: object = None
-
-
-@dataclass
-class EngineMetrics:
-    steps: int = 0
-    prefill_time: float = 0.0
-    decode_time: float = 0.0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    # KV memory accounting, sampled every SLOT_SAMPLE_EVERY steps: live tokens vs allocated slots
-    live_slots_sampled: int = 0
-    allocated_slots_sampled: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def mean_live_slot_fraction(self) -> float:
-        """Over the run: of the KV slots allocated to requests, the fraction holding live tokens."""
-        s = self.allocated_slots_sampled
-        return self.live_slots_sampled / s if s else 1.0
-
-
-SLOT_SAMPLE_EVERY = 8
-
-
 class Engine:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, *, max_model_len: int,
+    """Requests in, tokens out over ``runner``.
+
+    ``kv_prune`` is the model's KV-pruning setting, resolved once by ``optimize()``: None
+    when the decode graph has no ``devin::kv_prune`` nodes (no request may prune), else the
+    configuration the nodes were compiled with (requests prune with it by default when it is
+    ``enabled``; see :func:`~devin_compile.runtime.kv_prune.resolve_request`).
+    """
+
+    def __init__(self, runner: Runner, config: SchedulerConfig, *, max_model_len: int,
                  eos_token_ids: Seq[int] = (), tokenizer=None, enable_prefix_caching: bool = True,
-                 debug_checks: bool = False, kv_prune=None) -> None:
+                 debug_checks: bool = False, kv_prune: KVPruneConfig | None = None) -> None:
+        if kv_prune is not None and not isinstance(kv_prune, KVPruneConfig):
+            raise TypeError(f"Engine(kv_prune=) takes a KVPruneConfig or None (resolved by optimize()), "
+                            f"got {type(kv_prune).__name__}")
         # CPython < 3.13 maps and unmaps a frame-stack chunk per call across a chunk boundary;
         # a decode loop can sit on one (see runtime/py_arena_cache.py).
         py_arena_cache.install()
@@ -91,9 +62,9 @@ class Engine:
         self.prefix_cache = PrefixCache(runner.block_size) if enable_prefix_caching else None
         self.allocator = BlockAllocator(runner.kv_cache.num_blocks, self.prefix_cache)
         self.scheduler = Scheduler(config, self.allocator, runner.block_size)
-        # KV pruning (runtime/kv_prune.py): only when the decode graph has devin::kv_prune nodes.
-        self.pruner = (KVPruner(KVPruneConfig.coerce(kv_prune), self.allocator, self.scheduler, runner.kv_cache,
-                                runner.backend) if has_kv_prune_nodes(getattr(runner, "program", None)) else None)
+        self.kv_prune = kv_prune
+        self.pruner = (KVPruner(kv_prune, self.allocator, self.scheduler, runner.kv_cache, runner.backend)
+                       if kv_prune is not None else None)
         self.requests: dict[str, Sequence] = {}
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
@@ -127,7 +98,7 @@ class Engine:
                 "raise kv_cache_memory / num_kv_blocks or lower max_new_tokens"
             )
         seq = Sequence(rid, ids, params, generator=params.make_generator(),
-                       kv_prune_config=resolve_request(self.pruner, params))
+                       kv_prune_config=resolve_request(self.kv_prune, params))
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -162,10 +133,7 @@ class Engine:
             self.scheduler.check_writes(plan)
         t0 = time.perf_counter()
         prune_step = self.pruner.begin(plan.scheduled) if self.pruner is not None else None
-        if prune_step is None:
-            logits, owners = self.runner.execute(plan.scheduled)
-        else:
-            logits, owners = self.runner.execute(plan.scheduled, prune_step)
+        logits, owners = self.runner.execute(plan.scheduled, prune_step)
         for item in plan.scheduled:
             item.seq.num_computed += item.num_tokens
             self.scheduler.commit(item.seq)
@@ -261,9 +229,15 @@ class Engine:
         return ids
 
     # -- drivers ----------------------------------------------------------
-    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run a batch to completion; results in prompt order (failed requests carry ``error``)."""
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, raise_on_error: bool = False) -> list[RequestOutput]:
+        """Run a batch to completion; results in prompt order.
+
+        An invalid prompt rejects the whole batch (``ValueError`` naming it, ``prompt i: ...``;
+        nothing stays queued). A request that fails mid-way carries ``error`` in its result, or,
+        with ``raise_on_error``, makes the batch raise :class:`RequestError` with every result
+        in ``.results``.
+        """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -272,14 +246,30 @@ class Engine:
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.add_request(p, sp))
-        except ValueError:
+        except ValueError as e:
             for rid in ids:  # an invalid prompt rejects the whole batch: leave nothing queued
                 self.abort(rid)
-            raise
+            raise ValueError(f"prompt {len(ids)}: {e}") from None
         while any(not self.requests[r].status.done for r in ids):
             if not self.step():
                 self.wait_for_admission()
-        return [self._output(self.requests[r], []) for r in ids]
+        results = [self._output(self.requests[r], []) for r in ids]
+        failed = [r for r in results if r.error]
+        if raise_on_error and failed:
+            raise RequestError(failed[0].request_id, "; ".join(f"{r.request_id}: {r.error}" for r in failed),
+                               results)
+        return results
+
+    def forward_logits(self, prompt: str | Seq[int]) -> torch.Tensor:
+        """Logits at every position of one token sequence [T, vocab] (a full-sequence forward:
+        no request, no sampling); its KV blocks are borrowed from the pool for the call
+        (``KVCacheExhaustedError`` if none are free). ``ValueError`` for an invalid sequence."""
+        ids = self._encode(prompt)
+        blocks = self.allocator.allocate(self.scheduler.blocks_needed(len(ids)))
+        try:
+            return self.runner.forward_logits(ids, blocks)
+        finally:
+            self.allocator.free(blocks)
 
     def wait_for_admission(self, limit_s: float = 0.05) -> None:
         """Nothing ran this step because dynamic batching holds the waiting requests back:
@@ -310,13 +300,7 @@ class Engine:
 
     def _slot_usage(self) -> tuple[int, int]:
         """(slots holding live tokens, slots in blocks held by requests); a shared block counts once."""
-        bs = self.runner.block_size
-        filled: dict[int, int] = {}
-        for s in self.scheduler.running:
-            for j, b in enumerate(s.block_table):
-                n = max(0, min(bs, s.num_computed - s.num_evicted - j * bs))
-                filled[b] = max(filled.get(b, 0), n)
-        return sum(filled.values()), len(filled) * bs
+        return slot_usage(self.scheduler.running, self.runner.block_size)
 
     def kv_stats(self) -> dict:
         """Pool occupancy and prefix-cache counters.
@@ -326,7 +310,7 @@ class Engine:
         """
         a = self.allocator
         live, slots = self._slot_usage()
-        padded_keys = getattr(self.runner, "attention_padded_keys", 0)  # test runners may not count
+        padded_keys = self.runner.attention_padded_keys
         stats = {
             "blocks_total": a.num_blocks, "blocks_used": a.num_used, "blocks_free": a.num_free,
             "blocks_used_peak": a.peak_used,
@@ -335,7 +319,7 @@ class Engine:
             "live_slot_fraction": (live / slots) if slots else 1.0,
             "mean_live_slot_fraction": self.metrics.mean_live_slot_fraction,
             # length-aware grouping of batched decode attention: fraction of the keys read that were padding
-            "attention_padding_waste": (1 - getattr(self.runner, "attention_real_keys", 0) / padded_keys)
+            "attention_padding_waste": (1 - self.runner.attention_real_keys / padded_keys)
             if padded_keys else 0.0,
             "prefix_caching": self.prefix_cache is not None,
             "blocks_cached": 0, "blocks_cached_free": 0,

@@ -11,6 +11,10 @@ is not owned is an error. With a :class:`~devin_compile.runtime.prefix_cache.Pre
 a free block may still be *cached* (registered, content valid): it counts as free, can be
 revived by a prefix hit, and is evicted, least recently used first, only once no uncached
 free block is left.
+
+KV pruning's compaction edits the pool only through methods here: ``BlockAllocator``'s
+``release_tail`` / ``copy_on_write`` / ``unregister`` and ``PagedKVCache``'s
+``gather_slots`` / ``scatter_slots`` / ``copy_block``.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import math
 import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence as Seq
 
 import torch
 
@@ -98,6 +102,29 @@ class PagedKVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of one layer, each [num_blocks, block_size, Hkv, D]."""
         return self._layers[index]
+
+    # -- slot moves (KV pruning's compaction) ---------------------------------
+    def slot_ids(self, block_table: list[int], offsets: torch.Tensor) -> torch.Tensor:
+        """Flat slot index (``block * block_size + offset``) of each of a sequence's slot ``offsets``."""
+        bs = self.block_size
+        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
+        return table[offsets // bs] * bs + offsets % bs
+
+    def gather_slots(self, layers: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """K and V of slot ``slots[i]`` in layer ``layers[i]``: [N, 2, Hkv, D] (a copy)."""
+        return self._flat()[layers, :, slots]
+
+    def scatter_slots(self, layers: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (from :meth:`gather_slots`) to slot ``slots[i]`` of layer ``layers[i]``."""
+        self._flat()[layers, :, slots] = values
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` gets block ``src``'s K/V in every layer."""
+        self.data[:, :, dst] = self.data[:, :, src]
+
+    def _flat(self) -> torch.Tensor:
+        d = self.data
+        return d.view(d.shape[0], 2, -1, *d.shape[4:])  # [layers, 2, blocks * block_size, Hkv, D]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -210,6 +237,39 @@ class BlockAllocator:
     def is_free(self, block: int) -> bool:
         return self.ref_count[block] == 0
 
+    def is_shared(self, block: int) -> bool:
+        """More than one owner: the block must not be written (copy it first)."""
+        return self.ref_count[block] > 1
+
+    def is_registered(self, block: int) -> bool:
+        """Registered in the prefix cache (its content is what its hash names)."""
+        return self.prefix_cache is not None and block in self.prefix_cache
+
+    def num_freed_by(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` one :meth:`free` would return to the pool (those with no other owner)."""
+        return sum(1 for b in blocks if self.ref_count[b] == 1)
+
+    def release_tail(self, blocks: Seq[int]) -> int:
+        """Drop one reference to each of a block table's trailing ``blocks``; returns how many became free."""
+        freed = self.num_freed_by(blocks)
+        self.free(blocks)
+        return freed
+
+    def copy_on_write(self, block: int, kv_cache: "PagedKVCache") -> int:
+        """A private copy of ``block`` for the owner about to write it: a fresh block with the same
+        K/V; the owner's reference to ``block`` is dropped (its other owners, or the prefix cache,
+        keep it). ``KVCacheExhaustedError`` when no block is free."""
+        (copy,) = self.allocate(1)
+        kv_cache.copy_block(block, copy)
+        self.free([block])
+        return copy
+
+    def unregister(self, block: int) -> None:
+        """Drop an owned ``block``'s prefix-cache entry: its owner is about to change its content."""
+        if self.ref_count[block] == 0:
+            raise RuntimeError(f"block {block} is free: only an owned block can be unregistered")
+        self.prefix_cache.evict(block)
+
     def evict_cached(self) -> int:
         """Drop every cached free block from the prefix cache (e.g. between benchmark runs)."""
         if self.prefix_cache is None:
@@ -223,7 +283,7 @@ class BlockAllocator:
 
     def check_writable(self, block: int) -> None:
         """Assert that ``block`` may be written: one owner and not a registered (shared) block."""
-        registered = self.prefix_cache is not None and block in self.prefix_cache
+        registered = self.is_registered(block)
         if self.ref_count[block] != 1 or registered:
             where = ", registered in the prefix cache" if registered else ""
             raise AssertionError(f"a step writes block {block} (ref_count {self.ref_count[block]}{where})")

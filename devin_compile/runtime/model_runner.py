@@ -38,6 +38,11 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
+    def slot_mapping(self, block_table: list[int], first_slot: int, n: int) -> list[int]:
+        """Flat cache slots of a sequence's slots ``first_slot .. first_slot + n - 1``."""
+        bs = self.block_size
+        return [block_table[s // bs] * bs + s % bs for s in range(first_slot, first_slot + n)]
+
     def graph_for(self, decode: bool, num_seqs: int):
         """The callable for this step: for decode steps (when split) the bucket's static decode
         callable or else the ``decode`` graph; otherwise the ``prefill`` (or unsplit ``main``) graph."""
@@ -85,7 +90,6 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq], kv_prune=None) -> tuple[torch.Tensor, list[int]]:
         """Run a scheduled step. Returns (logits, row → index into ``batch``) for the
         sequences whose chunk reaches their last known token (they sample next)."""
-        bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -96,8 +100,8 @@ class ModelRunner:
             ids.extend(seq.all_ids[start:start + n])
             pos.extend(range(start, start + n))
             table = seq.block_table
-            s0 = start - seq.num_evicted  # KV pruning: slots lag positions by the evicted tokens
-            slots.extend(table[s // bs] * bs + s % bs for s in range(s0, s0 + n))
+            s0 = seq.num_slots  # KV pruning: slots lag positions by the evicted tokens
+            slots.extend(self.slot_mapping(table, s0, n))
             qlens.append(n)
             slens.append(s0 + n)
             tables.append(table)
@@ -110,3 +114,11 @@ class ModelRunner:
             return logits[:0], []
         logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows, kv_prune)
         return logits, owners
+
+    def forward_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence [T, vocab], computed from scratch into
+        ``block_table`` (enough blocks for ``len(token_ids)`` slots, owned by the caller)."""
+        n = len(token_ids)
+        positions = list(range(n))
+        return self.run(list(token_ids), positions, self.slot_mapping(block_table, 0, n), [n], [n], [block_table],
+                        positions)

@@ -107,8 +107,9 @@ class Scheduler:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     # -- planning ---------------------------------------------------------
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        need = self.blocks_needed(num_tokens - seq.num_evicted) - len(seq.block_table)  # slots, after KV pruning
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Blocks for ``n`` more tokens (they take slots, which lag positions after KV pruning)."""
+        need = self.blocks_needed(seq.num_slots + n) - len(seq.block_table)
         if need <= 0:
             return True
         if not self.allocator.can_allocate(need):
@@ -168,7 +169,7 @@ class Scheduler:
             if phase is not None and (phase == "prefill") != seq.in_prefill:
                 continue
             n = min(seq.num_uncomputed, budget)
-            while not self._grow(seq, seq.num_computed + n):
+            while not self._grow(seq, n):
                 victims = [s for s in self.running if s.request_id not in scheduled_ids]
                 victim = max(victims, key=lambda s: s.metrics.arrival)
                 if victim is seq and len(self.running) == 1 and not plan.scheduled:
@@ -263,7 +264,7 @@ class Scheduler:
         bs = self.block_size
         for item in plan.scheduled:
             seq = item.seq
-            s0 = seq.num_computed - seq.num_evicted  # first slot written (KV pruning: slots != positions)
+            s0 = seq.num_slots  # first slot written (KV pruning: slots != positions)
             first, last = s0 // bs, (s0 + item.num_tokens - 1) // bs
             for j in range(first, last + 1):
                 self.allocator.check_writable(seq.block_table[j])

@@ -31,7 +31,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
-    # KV pruning (runtime/kv_prune.py); zero for requests that do not prune.
+    # KV pruning (runtime/kv_prune/); zero for requests that do not prune.
     kv_evicted_tokens: int = 0
     kv_freed_blocks: int = 0
     kv_prune_evaluations: int = 0
@@ -59,7 +59,7 @@ class Sequence:
     # the token at position p >= num_computed goes to slot p - num_evicted.
     num_evicted: int = 0
     kv_prune_config: object = None  # the request's resolved KVPruneConfig (None: no pruning)
-    kv_prune_state: object = None  # runtime/kv_prune.PruneState; dropped with the blocks
+    kv_prune_state: object = None  # runtime/kv_prune/scores.PruneState; dropped with the blocks
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
