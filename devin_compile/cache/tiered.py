@@ -5,7 +5,8 @@
 - ``set`` stores into the first tier only (``write_through=True``: into every tier). A tier that
   evicts an entry for room passes it to the next tier (each tier's ``on_evict`` is the next tier's
   ``set``), so an entry leaves the chain only when the last tier drops it or it expires.
-  The last tier's ``on_evict`` is left alone (``None`` unless the caller set it).
+  The last tier's ``on_evict`` is left alone (``None`` unless the caller set it). Redis evicts on
+  the server and cannot pass entries down, so it belongs last.
 - ``invalidate``/``clear`` act on every tier.
 
 Values are expected to be content-addressed (a key's value never changes, as for KV blocks keyed
