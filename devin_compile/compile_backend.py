@@ -20,13 +20,17 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .config import OptimizeConfig
 from .passes.cleanup import Cleanup, remove_noops
 from .pipeline import PassContext, PassManager, PassReport, Program
 
 #: One PassReport per graph the backend compiled, most recent last.
 reports: list[PassReport] = []
 
-_VALID_OPTIONS = {"dump_dir", "inductor"}
+# Options the backend takes: OptimizeConfig keys (built into the passes' typed config) and its own.
+_CONFIG_OPTIONS = {"dump_dir"}
+_BACKEND_OPTIONS = {"inductor"}  # Inductor config patches, applied to the Inductor compile only
+_VALID_OPTIONS = _CONFIG_OPTIONS | _BACKEND_OPTIONS
 
 
 class _PostGradCleanup(CustomGraphPass):
@@ -46,10 +50,11 @@ def devin_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: 
         raise ValueError(f"backend='devin' got unknown options {sorted(unknown)}; valid: {sorted(_VALID_OPTIONS)}")
     from torch._inductor.compile_fx import compile_fx
 
-    dump_dir = options.get("dump_dir")
+    config = OptimizeConfig.from_kwargs({k: v for k, v in options.items() if k in _CONFIG_OPTIONS})
+    dump_dir = options.get("dump_dir")  # the option only: DEVIN_COMPILE_DUMP (in config.dump_dir) is optimize()'s
     if dump_dir:
         dump_dir = f"{dump_dir}/graph_{len(reports):02d}"
-    report = PassManager([Cleanup()], dump_dir=dump_dir).run(Program({"dynamo": gm}), PassContext(info=None, config=options))
+    report = PassManager([Cleanup()], dump_dir=dump_dir).run(Program({"dynamo": gm}), PassContext(info=None, config=config))
     reports.append(report)
     patches = dict(options.get("inductor") or {})
     patches.setdefault("post_grad_custom_post_pass", _PostGradCleanup())
