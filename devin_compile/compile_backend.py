@@ -9,7 +9,9 @@ any graph, then hands the graph to Inductor:
 
 The paged-KV passes are not applied here: Dynamo graphs of ``model.generate()`` carry
 HF's own cache objects, so those rewrites belong to ``optimize()``. Options:
-``dump_dir`` (pass dumps), ``inductor`` (a dict of Inductor config patches).
+``dump_dir`` (pass dumps), ``inductor`` (a dict of Inductor config patches); any other is a
+``ValueError``. The passes get an ``OptimizeConfig`` built from the config options, like
+``optimize()``'s (``info`` is None: a Dynamo graph is not a captured model).
 """
 from __future__ import annotations
 
