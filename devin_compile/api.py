@@ -12,13 +12,13 @@ from .capture import ModelInfo, capture, model_info
 from .config import OptimizeConfig
 from .passes import default_passes
 from .passes.offload_embeddings import check_offload_layers
-from .pipeline import PassContext, PassManager, PassReport, Probe, Program
-from .step import AttentionMetadata, StepContext, step_context
+from .pipeline import PassContext, PassManager, Probe, Program
 from .optimized_model import OptimizedModel
 from .runtime.engine import Engine
 from .runtime.kv_cache import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .runtime.kv_prune import active_config as active_kv_prune
 from .runtime.model_runner import ModelRunner
+from .runtime.scratch import scratch_step, scratch_steps
 
 
 def make_probe(info: ModelInfo, device: torch.device, length: int = 12) -> Probe:
@@ -30,11 +30,7 @@ def make_probe(info: ModelInfo, device: torch.device, length: int = 12) -> Probe
 
     def probe(program: Program) -> torch.Tensor:
         gm = program.graphs.get("prefill") or program.main
-        spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, 16)
-        nblocks = (length + 15) // 16
-        cache = PagedKVCache(spec, nblocks, device)
-        meta = AttentionMetadata.build([length], [length], [list(range(nblocks))], list(range(length)), device)
-        with step_context(StepContext(meta, cache, get_backend("torch_reference"))):
+        with scratch_step(info, device, [length], backend=get_backend("torch_reference")):
             return gm(ids, pos, idx)
 
     return probe
@@ -59,7 +55,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     if config.scheduler.max_model_len is not None:
         info.max_model_len = config.scheduler.max_model_len
     program = Program({"main": gm})
-    ctx = PassContext(info=info, config=config)
+    ctx = PassContext(info=info, config=config, scratch_step=scratch_steps(info))
     probe = make_probe(info, info.device) if config.verify else None
     report = PassManager(default_passes(config, info, offload_roles, quant), dump_dir=config.dump_dir,
                          probe=probe).run(program, ctx)

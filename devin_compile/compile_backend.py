@@ -9,7 +9,9 @@ any graph, then hands the graph to Inductor:
 
 The paged-KV passes are not applied here: Dynamo graphs of ``model.generate()`` carry
 HF's own cache objects, so those rewrites belong to ``optimize()``. Options:
-``dump_dir`` (pass dumps), ``inductor`` (a dict of Inductor config patches).
+``dump_dir`` (pass dumps), ``inductor`` (a dict of Inductor config patches); any other is a
+``ValueError``. The passes get an ``OptimizeConfig`` built from the config options, like
+``optimize()``'s (``info`` is None: a Dynamo graph is not a captured model).
 """
 from __future__ import annotations
 
@@ -20,13 +22,17 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .config import OptimizeConfig
 from .passes.cleanup import Cleanup, remove_noops
 from .pipeline import PassContext, PassManager, PassReport, Program
 
 #: One PassReport per graph the backend compiled, most recent last.
 reports: list[PassReport] = []
 
-_VALID_OPTIONS = {"dump_dir", "inductor"}
+# Options the backend takes: OptimizeConfig keys (built into the passes' typed config) and its own.
+_CONFIG_OPTIONS = {"dump_dir"}
+_BACKEND_OPTIONS = {"inductor"}  # Inductor config patches, applied to the Inductor compile only
+_VALID_OPTIONS = _CONFIG_OPTIONS | _BACKEND_OPTIONS
 
 
 class _PostGradCleanup(CustomGraphPass):
@@ -46,10 +52,11 @@ def devin_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: 
         raise ValueError(f"backend='devin' got unknown options {sorted(unknown)}; valid: {sorted(_VALID_OPTIONS)}")
     from torch._inductor.compile_fx import compile_fx
 
-    dump_dir = options.get("dump_dir")
+    config = OptimizeConfig.from_kwargs({k: v for k, v in options.items() if k in _CONFIG_OPTIONS})
+    dump_dir = options.get("dump_dir")  # the option only: DEVIN_COMPILE_DUMP (in config.dump_dir) is optimize()'s
     if dump_dir:
         dump_dir = f"{dump_dir}/graph_{len(reports):02d}"
-    report = PassManager([Cleanup()], dump_dir=dump_dir).run(Program({"dynamo": gm}), PassContext(info=None, config=options))
+    report = PassManager([Cleanup()], dump_dir=dump_dir).run(Program({"dynamo": gm}), PassContext(info=None, config=config))
     reports.append(report)
     patches = dict(options.get("inductor") or {})
     patches.setdefault("post_grad_custom_post_pass", _PostGradCleanup())

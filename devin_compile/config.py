@@ -12,6 +12,9 @@ from typing import Any, Mapping
 
 import torch
 
+#: Decode batch sizes the decode graph is specialised for, unless ``decode_buckets=`` says otherwise.
+DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -227,7 +230,7 @@ class OptimizeConfig:
     offload_layers: tuple[str, ...] = ()
     # Decode batch sizes the decode graph is specialised for; static-shape decode callables
     # (CUDA Graphs, ahead-compiled CPU decode) exist per bucket, batches pad up to one.
-    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    decode_buckets: tuple[int, ...] = DEFAULT_DECODE_BUCKETS
     kv_prune: Any = None  # KVPruneConfig | dict | True: compile devin::kv_prune nodes (issue 5)
     # Weight-only INT4 (issue 4): a dict of quant.QuantConfig keys (method, bits, group_size, target, ...)
     # to calibrate and quantize now, or ``quantized="dir/"`` to load a saved artifact.

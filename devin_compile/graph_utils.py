@@ -77,8 +77,24 @@ def is_call(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
+_UNCOUNTED = ("placeholder", "output", "get_attr")
+
+
 def count_nodes(gm: torch.fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr"))
+    """Nodes that do work (not placeholders, outputs or get_attr): what pass reports count."""
+    return sum(1 for n in gm.graph.nodes if n.op not in _UNCOUNTED)
+
+
+def counted_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes :func:`count_nodes` counts, to compare with the graph after a rewrite."""
+    return {n for n in gm.graph.nodes if n.op not in _UNCOUNTED}
+
+
+def node_delta(gm: torch.fx.GraphModule, before: set[torch.fx.Node]) -> str:
+    """``"A nodes added, R removed"``: how ``gm`` changed since ``before`` (its
+    :func:`counted_nodes` then), for pass notes; ``A - R`` is the change in node count."""
+    after = counted_nodes(gm)
+    return f"{len(after - before)} nodes added, {len(before - after)} removed"
 
 
 def remove_unused_attributes(gm: torch.fx.GraphModule) -> None:

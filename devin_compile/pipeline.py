@@ -19,13 +19,16 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, ContextManager, Protocol, Sequence
 
 import networkx as nx
 import torch
 import torch.fx
 
+from .capture import ModelInfo
+from .config import OptimizeConfig
 from .graph_utils import count_nodes, describe_value
+from .step import StepContext
 
 
 class PassError(RuntimeError):
@@ -56,12 +59,28 @@ class Program:
         return next(iter(self.graphs.values()))
 
 
+class ScratchStep(Protocol):
+    """Runs graph code outside serving (a probe, a warm-up compile): ``with scratch_step([3, 1]):``
+    installs a step context over a scratch paged KV cache for one step of fresh sequences
+    with these numbers of tokens (each holds only its own tokens), and removes it after."""
+
+    def __call__(self, query_lens: Sequence[int]) -> ContextManager[StepContext]: ...
+
+
 @dataclass
 class PassContext:
-    """Compile-time facts a pass may read (model info, config); no runtime state."""
+    """What a pass may read besides the graphs; it holds no runtime state.
 
-    info: Any
-    config: Any
+    ``info``: the captured model (None for Dynamo graphs in the torch.compile backend);
+    ``config``: the typed options, where a pass reads the flags of other passes (e.g.
+    ``config.compile_decode``); ``scratch_step``: handed in by whoever runs the pipeline
+    (``optimize()``: ``runtime.scratch``), for passes that run a graph, None where no runtime
+    exists; ``extras``: what passes leave for later passes or the caller (shared prepacked
+    weights, the precision table)."""
+
+    info: ModelInfo | None
+    config: OptimizeConfig = field(default_factory=OptimizeConfig)
+    scratch_step: ScratchStep | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 

@@ -164,6 +164,15 @@ def step_context(ctx: StepContext) -> Iterator[StepContext]:
         _local.ctx = prev
 
 
+def decode_bucket(batch: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest decode bucket (sorted ascending) that holds ``batch`` sequences, or None
+    above the largest: the batch size a static-shape decode callable pads a step up to."""
+    for b in buckets:
+        if b >= batch:
+            return b
+    return None
+
+
 def current_context() -> StepContext:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:

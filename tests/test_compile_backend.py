@@ -47,3 +47,22 @@ def test_unknown_option_is_rejected():
     compiled = torch.compile(model, backend="devin", options={"no_such_option": 1})
     with pytest.raises(Exception, match="unknown options"):
         compiled(torch.randint(0, 256, (1, 4)))
+
+
+def test_backend_hands_passes_a_typed_config(monkeypatch, tmp_path):
+    """The passes get an OptimizeConfig built from the backend's options (no Inductor compile here)."""
+    import torch._inductor.compile_fx as inductor
+
+    from devin_compile.config import OptimizeConfig
+    from devin_compile.passes.cleanup import Cleanup
+
+    seen = []
+    run = Cleanup.run
+    monkeypatch.setattr(Cleanup, "run", lambda self, program, ctx: seen.append(ctx) or run(self, program, ctx))
+    monkeypatch.setattr(inductor, "compile_fx", lambda gm, example_inputs, config_patches: gm)
+    gm = torch.fx.symbolic_trace(lambda x: (x + 1).to(torch.float32))
+    cb.devin_backend(gm, [torch.ones(2)], options={"dump_dir": str(tmp_path), "inductor": {}})
+    (ctx,) = seen
+    assert isinstance(ctx.config, OptimizeConfig) and ctx.config.dump_dir == str(tmp_path) and ctx.info is None
+    with pytest.raises(ValueError, match="unknown options"):
+        cb.devin_backend(gm, [torch.ones(2)], options={"decode_buckets": (1,)})  # an optimize() key, not the backend's

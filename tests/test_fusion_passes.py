@@ -29,7 +29,7 @@ def _model(dtype):
 def _run(model, passes):
     gm, info = capture(model)
     program = Program({"main": gm})
-    report = PassManager([AttentionToPaged(), *passes]).run(program, PassContext(info, None))
+    report = PassManager([AttentionToPaged(), *passes]).run(program, PassContext(info))
     with torch.no_grad():
         return make_probe(info, info.device)(program), report
 
@@ -89,7 +89,7 @@ def test_fuse_attention_inputs_bit_identical_fp32(fused):
     assert torch.equal(out, base)
     gm, info = capture(model)
     program = Program({"main": gm})
-    PassManager([AttentionToPaged(), *before, FuseAttentionInputs()]).run(program, PassContext(info, None))
+    PassManager([AttentionToPaged(), *before, FuseAttentionInputs()]).run(program, PassContext(info))
     nodes = list(program.graphs["main"].graph.nodes)
     targets = [n.target for n in nodes]
     assert torch.ops.aten.roll.default not in targets and torch.ops.aten.squeeze.dim not in targets

@@ -118,7 +118,7 @@ def toy_program() -> Program:
 def test_report_rows_record_time_matches_and_node_counts():
     program = toy_program()
     before = program.node_count()
-    report = PassManager([DropMulByOne()]).run(program, PassContext(info=None, config=None))
+    report = PassManager([DropMulByOne()]).run(program, PassContext(info=None))
     (rec,) = report.records
     assert (rec.index, rec.name, rec.status) == (1, "drop_mul_by_one", "ran")
     assert rec.matches == 1 and rec.note == "1 dropped"
@@ -138,7 +138,7 @@ def test_skip_reason_produces_a_skipped_row_and_does_not_run():
     before = program.node_count()
     passes = [make_pass("first", calls=calls), make_pass("needs_cuda", skip="no CUDA device", calls=calls),
               DropMulByOne()]
-    report = PassManager(passes).run(program, PassContext(info=None, config=None))
+    report = PassManager(passes).run(program, PassContext(info=None))
     assert calls == ["first"]
     skipped = report.records[1]
     assert (skipped.name, skipped.status, skipped.note) == ("needs_cuda", "skipped", "no CUDA device")
@@ -152,7 +152,7 @@ def test_dump_includes_a_trailing_skipped_pass(tmp_path):
     """index.md must list every pass, even when the last one is skipped."""
     program = toy_program()
     passes = [DropMulByOne(), make_pass("needs_cuda", skip="no CUDA device")]
-    report = PassManager(passes, dump_dir=str(tmp_path)).run(program, PassContext(info=None, config=None))
+    report = PassManager(passes, dump_dir=str(tmp_path)).run(program, PassContext(info=None))
     index = (tmp_path / "index.md").read_text()
     assert "needs_cuda | skipped" in index
     assert report.as_markdown() in index
@@ -326,6 +326,6 @@ def test_pass_that_runs_graphs_sees_earlier_rewrites():
             return PassResult()
 
     program = toy_program()
-    PassManager([DropMulByOne(), RunsIt()]).run(program, PassContext(info=None, config=None))
+    PassManager([DropMulByOne(), RunsIt()]).run(program, PassContext(info=None))
     assert "* 1.0" not in seen[0] and "+ 0.0" in seen[0]  # the rewrite is in the code it ran
     assert "* 1.0" not in program.main.code

@@ -276,7 +276,7 @@ def test_cpp_op_kernel_serves_calls_with_a_onednn_packed_dense_copy(monkeypatch)
     MkldnnCPU dispatch key: the C++ kernel is registered there too, so decode-sized calls never
     reach the Python kernel, and calls above max_int4_tokens still run the packed copy."""
     from devin_compile.backends.int4 import cpu_int4_op
-    from devin_compile.passes.prepack_linear import prepack_supported
+    from devin_compile.ops.prepacked_linear import prepack_supported
 
     if not cpu_int4_op.load():
         pytest.skip("no C++ compiler: the C++ op kernel is not built")

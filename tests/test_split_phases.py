@@ -6,7 +6,7 @@ import torch
 
 import devin_compile as dc
 from devin_compile.graph_utils import is_call
-from devin_compile.passes.split_phases import decode_bucket
+from devin_compile.step import decode_bucket
 from devin_compile.step import AttentionMetadata, StepContext, step_context
 from devin_compile.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from devin_compile.runtime.model_runner import ModelRunner

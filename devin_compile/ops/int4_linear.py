@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.int4 import kernels
+from ..backends.int4 import crossover, kernels
+from ..backends.int4.format import dequantize, int4_bytes  # noqa: F401  (re-exported for passes)
+from .prepacked_linear import prepack_supported
 from .upcast_linear import upcast_linear
 
 _lib = torch.library.Library("devin", "FRAGMENT")
@@ -53,6 +55,38 @@ def _(x, qweight, scales_zeros, group_size, out_features, kernel, bias=None, den
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def default_kernel(device: torch.device) -> str:
+    """The kernel ``kernel="auto"`` picks for weights on ``device``: "cpu_c" on CPU ("cpu",
+    aten's, without a C compiler), "triton" where Triton runs, else "reference"."""
+    if device.type == "cpu":
+        return kernels.default_cpu_kernel()
+    return "triton" if kernels.triton_available(device) else "reference"
+
+
+def check_kernel(kernel: str, device: torch.device) -> None:
+    """Raise ``ValueError`` (saying why) when ``kernel`` cannot serve weights on ``device``."""
+    if kernel == "triton" and not kernels.triton_available(device):
+        raise ValueError(f"int4 kernel 'triton' is not available on {device} (needs triton; on CPU only "
+                         "under TRITON_INTERPRET=1)")
+    if kernel in ("cpu", "cpu_c") and device.type != "cpu":
+        raise ValueError(f"int4 kernel {kernel!r} runs on CPU tensors, the model is on {device}")
+    if kernel == "cpu_c" and not kernels.cpu_int4_linear.available():
+        raise ValueError("int4 kernel 'cpu_c' needs a working C compiler (set CC); use kernel='cpu' (aten's)")
+
+
+def max_int4_tokens(kernel: str, dtype: torch.dtype) -> int:
+    """Steps of more tokens than this use the dense copy: the measured crossover of CPU int4
+    ``kernel`` against the dense path this CPU takes for ``dtype`` (backends/int4/crossover.py)."""
+    return crossover.max_int4_tokens(kernel, dtype, dense_native=prepack_supported(dtype))
+
+
+def prepare_operands(kernel: str, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, group_size: int,
+                     dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qweight, scales_zeros)`` for the op: a logical int4 weight (``q`` [N, K], ``scale`` and
+    ``minv`` [N, G]) in ``kernel``'s layout on ``device``, prepared once at compile time."""
+    return kernels.prepare(kernel, q, scale, minv, group_size, dtype, device)
+
+
 def quantize_weight(w: torch.Tensor, group_size: int = 64, kernel: str | None = None) -> tuple:
     """RTN-quantize a dense [N, K] weight into the op's operands ``(qweight, scales_zeros,
     group_size, out_features, kernel)`` for ``w``'s device (``torch.ops.devin.int4_linear(x, *ops)``);
@@ -61,8 +95,7 @@ def quantize_weight(w: torch.Tensor, group_size: int = 64, kernel: str | None = 
     from ..backends.int4 import format as fmt
 
     if kernel is None:
-        kernel = (kernels.default_cpu_kernel() if w.device.type == "cpu" else "triton"
-                  if kernels.triton_available(w.device) else "reference")
+        kernel = default_kernel(w.device)
     q, s, m = fmt.rtn_quantize(w.detach().float().cpu(), group_size)
     qw, sz = kernels.prepare(kernel, q, s, m, group_size, w.dtype, w.device)
     return qw, sz, group_size, w.shape[0], kernel

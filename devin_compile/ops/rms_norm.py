@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.fused import cpu_rms_norm_op
+
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 
@@ -30,3 +32,10 @@ _lib.impl("rms_norm", rms_norm, "CompositeExplicitAutograd")
 @torch.library.register_fake("devin::rms_norm", lib=_lib)
 def _(x, weight, eps):
     return rms_norm(x, weight, eps)  # aten's meta kernel gives the shape and the promoted dtype
+
+
+def load_cpu_kernel() -> bool:
+    """Register the C++ CPU kernel of ``devin::rms_norm`` (built the first time, then cached); False
+    where it cannot be built, and the Python kernel then serves every CPU call. Passes call this
+    when they emit the op into a CPU graph."""
+    return cpu_rms_norm_op.load()

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.fused import cpu_rotary_op
+
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("rotary_heads(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, int head_dim) "
             "-> (Tensor, Tensor, Tensor)")
@@ -50,3 +52,10 @@ def _(q, k, v, cos, sin, head_dim):
     kv_heads = k.shape[-1] // head_dim
     return (q.new_empty((T, q.shape[-1] // head_dim, head_dim)), k.new_empty((T, kv_heads, head_dim)),
             v.new_empty((T, kv_heads, v.shape[-1] // kv_heads)))
+
+
+def load_cpu_kernel() -> bool:
+    """Register the C++ CPU kernel of ``devin::rotary_heads`` (built the first time, then cached); False
+    where it cannot be built, and the Python kernel then serves every CPU call. Passes call this
+    when they emit the op into a CPU graph."""
+    return cpu_rotary_op.load()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.fused import cpu_silu_mul_op
+
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("silu_mul(Tensor x) -> Tensor")
 
@@ -29,3 +31,10 @@ _lib.impl("silu_mul", silu_mul, "CompositeExplicitAutograd")
 @torch.library.register_fake("devin::silu_mul", lib=_lib)
 def _(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def load_cpu_kernel() -> bool:
+    """Register the C++ CPU kernel of ``devin::silu_mul`` (built the first time, then cached); False
+    where it cannot be built, and the Python kernel then serves every CPU call. Passes call this
+    when they emit the op into a CPU graph."""
+    return cpu_silu_mul_op.load()

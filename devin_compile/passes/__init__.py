@@ -1,6 +1,9 @@
-"""Graph passes, one per file, each ``graph → graph`` (see pipeline.Pass)."""
+"""Graph passes, one per file, each ``graph → graph`` (see pipeline.Pass); their order and
+conditions are the pass table (:mod:`.table`)."""
 from __future__ import annotations
 
+from ..config import OptimizeConfig
+from ..pipeline import Pass
 from .assign_precision import AssignPrecision
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
@@ -14,42 +17,17 @@ from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
+from .table import PASS_TABLE, PassSpec, PipelineInputs, build_passes
 from .upcast_linear import UpcastLinear
 
 
-def default_passes(config, info, offload_roles: set[str] = frozenset(), quant=None) -> list:
-    """The optimize() pipeline, in order. ``offload_roles``: validated ``offload_layers`` roles;
-    ``quant``: (QuantResult, QuantConfig) to add assign_precision."""
-    passes = [AttentionToPaged()]
-    if config.fuse_rms_norm:
-        passes.append(FuseRMSNorm())
-    if config.fuse_rotary:
-        passes.append(FuseRotary())
-    if config.fuse_projections:
-        passes.append(FuseProjections())
-        if config.fuse_silu_mul:  # matches the fused gate/up's split
-            passes.append(FuseSiluMul())
-    if quant is not None:
-        passes.append(AssignPrecision(*quant))
-    if config.split_phases:
-        passes.append(SplitPhases(config.decode_buckets))
-    if getattr(config, "kv_prune", None) is not None:
-        passes.append(InsertKVPrune())
-    if offload_roles:
-        passes.append(OffloadEmbeddings(offload_roles))
-    if config.prepack_linear:
-        passes.append(PrepackLinear())
-    if config.upcast_linear:
-        passes.append(UpcastLinear())
-    passes.append(Cleanup())
-    if config.fuse_rotary and config.fuse_attention_inputs:  # fuse_rotary's roll form, after cleanup's CSE
-        passes.append(FuseAttentionInputs())
-    if config.compile_decode:
-        passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs,
-                                    getattr(config, "compile_decode_options", None)))
-    return passes
+def default_passes(config: OptimizeConfig, info=None, offload_roles: set[str] = frozenset(), quant=None) -> list[Pass]:
+    """The optimize() pipeline, in order: the enabled rows of :data:`~.table.PASS_TABLE`.
+    ``offload_roles``: validated ``offload_layers`` roles; ``quant``: (QuantResult, QuantConfig)
+    to add assign_precision. ``info`` is not needed (kept for callers)."""
+    return build_passes(PipelineInputs(config, frozenset(offload_roles), quant))
 
 
 __all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
            "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "UpcastLinear",
-           "default_passes"]
+           "PASS_TABLE", "PassSpec", "PipelineInputs", "build_passes", "default_passes"]

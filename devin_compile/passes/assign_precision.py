@@ -45,23 +45,17 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..backends.int4 import crossover, kernels
-from ..graph_utils import add_call, is_call
+from ..graph_utils import add_call, counted_nodes, is_call, node_delta
+from ..ops import int4_linear as int4_op
+from ..ops.prepacked_linear import prepack_supported
 from ..pipeline import Pass, PassContext, PassError, PassResult
-from ..backends.int4 import format as fmt
 from ..quant.quantize import QuantConfig, QuantResult, sensitivity
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _fake_like, _param
-from .prepack_linear import prepack_supported
 
 aten = torch.ops.aten
 SENSITIVITY_KINDS = {"loss": "estimated loss increase (output-gradient weighted)",
                      "relative": "relative output error (calibration has no output gradients)"}
-
-
-def max_int4_tokens(kernel: str, dtype: torch.dtype) -> int:
-    """Steps of more tokens than this use the dense copy (backends/int4/crossover.py)."""
-    return crossover.max_int4_tokens(kernel, dtype, dense_native=prepack_supported(dtype))
 
 
 def hf_name(target: str) -> str:
@@ -151,26 +145,20 @@ class AssignPrecision(Pass):
         cfg = self.qconfig
         kernel = cfg.kernel
         if kernel == "auto":
-            kernel = (kernels.default_cpu_kernel() if device.type == "cpu" else "triton"
-                      if kernels.triton_available(device) else "reference")
-        if kernel == "triton" and not kernels.triton_available(device):
-            raise ValueError(f"int4 kernel 'triton' is not available on {device} (needs triton; on CPU only "
-                             "under TRITON_INTERPRET=1)")
-        if kernel in ("cpu", "cpu_c") and device.type != "cpu":
-            raise ValueError(f"int4 kernel {kernel!r} runs on CPU tensors, the model is on {device}")
-        if kernel == "cpu_c" and not kernels.cpu_int4_linear.available():
-            raise ValueError("int4 kernel 'cpu_c' needs a working C compiler (set CC); use kernel='cpu' (aten's)")
+            kernel = int4_op.default_kernel(device)
+        int4_op.check_kernel(kernel, device)
         dense = cfg.dense_prefill and kernel in ("cpu", "cpu_c")
         if cfg.max_int4_tokens is not None:
             limit = cfg.max_int4_tokens
         elif dense:
-            limit = max_int4_tokens(kernel, dtype)
+            limit = int4_op.max_int4_tokens(kernel, dtype)
         else:
             limit = -1
         return kernel, (limit if dense else -1), dense
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         graph = gm.graph
+        before = counted_nodes(gm)
         res = self.result
         info = ctx.info
         dtype, device = info.dtype, info.device
@@ -195,7 +183,7 @@ class AssignPrecision(Pass):
                 raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the quantized "
                                 f"parts {names} have shapes {[p.shape for p in parts]}")
             g = parts[0].group_size
-            cands.append(Candidate(node, names, n_out, k, g, 0.0, n_out * k * elem, fmt.int4_bytes(n_out, k, g, elem)))
+            cands.append(Candidate(node, names, n_out, k, g, 0.0, n_out * k * elem, int4_op.int4_bytes(n_out, k, g, elem)))
         if not cands:
             raise PassError("assign_precision: no graph linear matches the quantized model's linears "
                             f"(e.g. {next(iter(res.linears), None)}); was it made for this model?")
@@ -223,7 +211,7 @@ class AssignPrecision(Pass):
                 q = torch.cat([p.q for p in parts])
                 scale = torch.cat([p.scale for p in parts])
                 minv = torch.cat([p.minv for p in parts])
-                qw, sz = kernels.prepare(kernel, q, scale, minv, c.group_size, dtype, device)
+                qw, sz = int4_op.prepare_operands(kernel, q, scale, minv, c.group_size, dtype, device)
                 with graph.inserting_before(node):
                     qw_node = _set_attr(gm, f"int4_{i}_qweight", qw, w_node)
                     sz_node = _set_attr(gm, f"int4_{i}_scales_zeros", sz, w_node)
@@ -231,7 +219,7 @@ class AssignPrecision(Pass):
                     # the head only sees the rows that need logits (a few per step): no dense copy
                     kwargs = {"bias": bias, "max_int4_tokens": -1 if head else max_tokens}
                     if dense and not head:
-                        wd = fmt.dequantize(q, scale, minv, c.group_size, dtype).to(device)
+                        wd = int4_op.dequantize(q, scale, minv, c.group_size, dtype).to(device)
                         if packed_dense:
                             wd = torch.ops.mkldnn._reorder_linear_weight(wd, 1)
                             kwargs["dense_kernel"] = "mkldnn"
@@ -260,7 +248,7 @@ class AssignPrecision(Pass):
                          "sensitivity": c.sensitivity, "sensitivity_kind": sens_kind,
                          "bytes": c.int4_bytes if i in chosen else c.fp_bytes, "params": c.params})
         self._apply_overrides(gm)
-        removed = eliminate_dead_code(gm)
+        eliminate_dead_code(gm)
         ctx.extras["precision_table"] = rows
         n4 = len(chosen)
         p4 = sum(c.params for i, c in enumerate(cands) if i in chosen)
@@ -281,7 +269,7 @@ class AssignPrecision(Pass):
                 + (f" (+ {dense_bytes / 2**20:.1f} MiB dense copies for long steps: dense_prefill=False drops them)"
                    if dense_bytes else "")
                 + f"; {gnote}; sensitivity: {SENSITIVITY_KINDS[sens_kind]}; {mode}; "
-                f"{removed} nodes removed")
+                f"{node_delta(gm, before)}")
         return PassResult(matches=n4, note=note, details=precision_table_markdown(rows))
 
     def _apply_overrides(self, gm: torch.fx.GraphModule) -> None:

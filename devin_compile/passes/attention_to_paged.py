@@ -42,7 +42,7 @@ import torch.fx
 
 from .. import ops as _ops  # noqa: F401  (registers devin::paged_attention)
 from ..capture import module_path_of
-from ..graph_utils import RESHAPES, add_call, is_call, node_shape
+from ..graph_utils import RESHAPES, add_call, counted_nodes, is_call, node_delta, node_shape
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from .dead_code import eliminate_dead_code
 
@@ -199,6 +199,7 @@ class AttentionToPaged(Pass):
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         info = ctx.info
+        before = counted_nodes(gm)
         sites = find_attention_sites(gm)
         by_module: dict[str, AttentionSite] = {}
         for site in sites:
@@ -248,5 +249,6 @@ class AttentionToPaged(Pass):
                 out4 = add_call(graph, aten.unsqueeze.default, (out, 0), like=site.output)
                 result = add_call(graph, aten.transpose.int, (out4, 1, 2), like=site.output)
             site.output.replace_all_uses_with(result)
-        removed = eliminate_dead_code(gm)
-        return PassResult(matches=len(expected), note=f"{len(expected)} layers; {removed} dead nodes removed (mask subgraph)")
+        eliminate_dead_code(gm)
+        return PassResult(matches=len(expected),
+                          note=f"{len(expected)} layers; {node_delta(gm, before)} (mask subgraph dead)")

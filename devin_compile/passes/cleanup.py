@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import RESHAPES, fake_value, has_shape, is_call, transpose_dims
+from ..graph_utils import RESHAPES, count_nodes, fake_value, has_shape, is_call, transpose_dims
 from ..pipeline import Pass, PassContext, PassResult, Program
 from .dead_code import eliminate_dead_code
 
@@ -108,19 +108,20 @@ class Cleanup(Pass):
         folded = removed = 0
         notes = []
         for phase, gm in program.graphs.items():
+            before = count_nodes(gm)  # cleanup adds no node, so the drop in count is what it removed
             flatten_attributes(gm)
             folded += remove_noops(gm.graph)
-            removed += eliminate_dead_code(gm)
-            before = len(gm.graph.nodes)
+            eliminate_dead_code(gm)
             try:
                 result = CSEPass()(gm)
             except TypeError as e:  # CSEPass hashes constant args; Dynamo graphs can hold slice objects
                 notes.append(f"CSE skipped on {phase}: {e}")
-                continue
-            if result.modified:  # adopt the deduplicated graph, keeping gm's pytree codegen
-                new_graph = result.graph_module.graph
-                new_graph._codegen = gm.graph._codegen
-                gm.graph = new_graph
-                removed += before - len(gm.graph.nodes) + eliminate_dead_code(gm)
+            else:
+                if result.modified:  # adopt the deduplicated graph, keeping gm's pytree codegen
+                    new_graph = result.graph_module.graph
+                    new_graph._codegen = gm.graph._codegen
+                    gm.graph = new_graph
+                    eliminate_dead_code(gm)
+            removed += before - count_nodes(gm)
         note = f"{folded} no-ops bypassed, {removed} nodes removed (incl. CSE)"
         return PassResult(matches=folded, note="; ".join([note, *notes]))

@@ -55,13 +55,16 @@ class CompileDecode(Pass):
         return None
 
     def run(self, program: Program, ctx: PassContext) -> PassResult:
+        if ctx.scratch_step is None:
+            raise PassError("compile_decode runs the decode graph to compile it, and needs a scratch KV cache: "
+                            "build its PassContext with scratch_step= (optimize() does)")
         gm = _for_inductor(program.graphs["decode"])
         t0 = time.perf_counter()
         with torch._inductor.config.patch({"freezing": True, **self.options}):
             compiled = torch.compile(gm, dynamic=True, fullgraph=True)
             try:
                 for b in self.buckets:
-                    _warm(compiled, ctx.info, b)
+                    _warm(compiled, ctx, b)
             except Exception as e:  # noqa: BLE001  (report which compile failed, with the cause)
                 raise PassError(f"compile_decode: Inductor could not compile the decode graph "
                                 f"({type(e).__name__}: {e}); run optimize(..., compile_decode=False)") from e
@@ -93,19 +96,12 @@ def _for_inductor(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def _warm(fn, info, batch: int) -> None:
-    """Run ``fn`` once at ``batch`` decode tokens on a scratch cache (compiles on first sight)."""
-    from ..backends.attention.registry import select_attention_backend
-    from ..step import AttentionMetadata, StepContext, step_context
-    from ..runtime.kv_cache import KVCacheSpec, PagedKVCache
-
-    dev = info.device
-    spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, 16)
-    cache = PagedKVCache(spec, batch, dev)
-    meta = AttentionMetadata.build([1] * batch, [1] * batch, [[b] for b in range(batch)],
-                                   [b * 16 for b in range(batch)], dev)
+def _warm(fn, ctx: PassContext, batch: int) -> None:
+    """Run ``fn`` once at ``batch`` decode tokens (one token of each of ``batch`` sequences) on a
+    scratch cache (compiles on first sight)."""
+    dev = ctx.info.device
     ids = torch.zeros((1, batch), dtype=torch.long, device=dev)
     pos = torch.zeros((1, batch), dtype=torch.long, device=dev)
     idx = torch.arange(batch, device=dev)
-    with torch.inference_mode(), step_context(StepContext(meta, cache, select_attention_backend(dev))):
+    with torch.inference_mode(), ctx.scratch_step([1] * batch):
         fn(ids, pos, idx)

@@ -26,9 +26,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..backends.fused import cpu_rotary_op
-from ..graph_utils import RESHAPES, add_call, fake_value, has_shape, is_call, transpose_dims
-from ..ops import rotary_heads as _rotary_heads_op  # noqa: F401  (registers devin::rotary_heads)
+from ..graph_utils import RESHAPES, add_call, counted_nodes, fake_value, has_shape, is_call, node_delta, transpose_dims
+from ..ops import rotary_heads as rotary_heads_op  # registers devin::rotary_heads
 from ..pipeline import Pass, PassContext, PassResult
 from .dead_code import eliminate_dead_code
 
@@ -130,6 +129,7 @@ class FuseAttentionInputs(Pass):
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         graph = gm.graph
+        before = counted_nodes(gm)
         count = layers = 0
         for node in list(graph.nodes):
             if not is_call(node, torch.ops.devin.paged_attention.default):
@@ -141,11 +141,11 @@ class FuseAttentionInputs(Pass):
             q, k, v, cos, sin, d = m
             with graph.inserting_before(node):
                 if fake_value(q).device.type == "cpu":
-                    cpu_rotary_op.load()
+                    rotary_heads_op.load_cpu_kernel()
                 heads = add_call(graph, torch.ops.devin.rotary_heads.default, (q, k, v, cos, sin, d), like=node)
                 outs = [add_call(graph, operator.getitem, (heads, i), like=node) for i in range(3)]
             node.args = (*outs, *node.args[3:])
             count += 1
-        removed = eliminate_dead_code(gm)
+        eliminate_dead_code(gm)
         return PassResult(matches=count,
-                          note=f"{count} of {layers} attention layers take rotary_heads; {removed} nodes removed")
+                          note=f"{count} of {layers} attention layers take rotary_heads; {node_delta(gm, before)}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, is_call
+from ..graph_utils import add_call, counted_nodes, is_call, node_delta
 from ..pipeline import Pass, PassContext, PassResult
 from .dead_code import eliminate_dead_code
 
@@ -36,6 +36,7 @@ class FuseProjections(Pass):
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         graph = gm.graph
+        before = counted_nodes(gm)
         fused = 0
         position = {n: i for i, n in enumerate(graph.nodes)}
         for x in list(graph.nodes):
@@ -74,8 +75,8 @@ class FuseProjections(Pass):
                     piece = add_call(graph, operator.getitem, (parts, i), like=u)
                     u.replace_all_uses_with(piece)
             fused += 1
-        removed = eliminate_dead_code(gm)
-        return PassResult(matches=fused, note=f"{fused} groups fused; {removed} nodes removed")
+        eliminate_dead_code(gm)
+        return PassResult(matches=fused, note=f"{fused} groups fused; {node_delta(gm, before)}")
 
 
 def _fake_like(reference_node, tensor: torch.Tensor):

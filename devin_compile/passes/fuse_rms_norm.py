@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..backends.fused import cpu_rms_norm_op
-from ..graph_utils import add_call, fake_value, is_call
-from ..ops import rms_norm as _rms_norm_op  # noqa: F401  (registers devin::rms_norm)
+from ..graph_utils import add_call, counted_nodes, fake_value, is_call, node_delta
+from ..ops import rms_norm as rms_norm_op  # registers devin::rms_norm
 from ..pipeline import Pass, PassContext, PassResult
 from .dead_code import eliminate_dead_code
 
@@ -67,6 +66,7 @@ class FuseRMSNorm(Pass):
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         graph = gm.graph
+        before = counted_nodes(gm)
         count = 0
         for node in list(graph.nodes):
             m = _match(node)
@@ -76,11 +76,11 @@ class FuseRMSNorm(Pass):
             out_dtype = fake_value(node).dtype
             with graph.inserting_before(node):
                 if fake_value(x).device.type == "cpu":
-                    cpu_rms_norm_op.load()
+                    rms_norm_op.load_cpu_kernel()
                 y = add_call(graph, torch.ops.devin.rms_norm.default, (x, w, eps), like=node)
                 if fake_value(y).dtype != out_dtype:
                     y = add_call(graph, aten.to.dtype, (y, out_dtype), like=node)
             node.replace_all_uses_with(y)
             count += 1
-        removed = eliminate_dead_code(gm)
-        return PassResult(matches=count, note=f"{count} RMSNorms fused; {removed} nodes removed")
+        eliminate_dead_code(gm)
+        return PassResult(matches=count, note=f"{count} RMSNorms fused; {node_delta(gm, before)}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, fake_value, is_call
+from ..graph_utils import add_call, counted_nodes, fake_value, is_call, node_delta
 from ..pipeline import Pass, PassContext, PassResult
 from .dead_code import eliminate_dead_code
 
@@ -76,6 +76,7 @@ class FuseRotary(Pass):
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         graph = gm.graph
+        before = counted_nodes(gm)
         count = 0
         for node in list(graph.nodes):
             m = _match(node)
@@ -95,5 +96,5 @@ class FuseRotary(Pass):
                 new_mul = add_call(graph, aten.mul.Tensor, args, like=rot_mul)
             rot_mul.replace_all_uses_with(new_mul)
             count += 1
-        removed = eliminate_dead_code(gm)
-        return PassResult(matches=count, note=f"{count} rotary embeddings rewritten; {removed} nodes removed")
+        eliminate_dead_code(gm)
+        return PassResult(matches=count, note=f"{count} rotary embeddings rewritten; {node_delta(gm, before)}")

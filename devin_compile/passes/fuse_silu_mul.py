@@ -17,9 +17,8 @@ import operator
 import torch
 import torch.fx
 
-from ..backends.fused import cpu_silu_mul_op
-from ..graph_utils import add_call, fake_value, is_call
-from ..ops import silu_mul as _silu_mul_op  # noqa: F401  (registers devin::silu_mul)
+from ..graph_utils import add_call, counted_nodes, fake_value, is_call, node_delta
+from ..ops import silu_mul as silu_mul_op  # registers devin::silu_mul
 from ..pipeline import Pass, PassContext, PassResult
 from .dead_code import eliminate_dead_code
 
@@ -63,6 +62,7 @@ class FuseSiluMul(Pass):
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         graph = gm.graph
+        before = counted_nodes(gm)
         count = 0
         for node in list(graph.nodes):
             x = _match(node)
@@ -70,9 +70,9 @@ class FuseSiluMul(Pass):
                 continue
             with graph.inserting_before(node):
                 if fake_value(x).device.type == "cpu":
-                    cpu_silu_mul_op.load()
+                    silu_mul_op.load_cpu_kernel()
                 y = add_call(graph, torch.ops.devin.silu_mul.default, (x,), like=node)
             node.replace_all_uses_with(y)
             count += 1
-        removed = eliminate_dead_code(gm)
-        return PassResult(matches=count, note=f"{count} gated MLPs fused; {removed} nodes removed")
+        eliminate_dead_code(gm)
+        return PassResult(matches=count, note=f"{count} gated MLPs fused; {node_delta(gm, before)}")

@@ -19,21 +19,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import is_call
+from ..graph_utils import counted_nodes, is_call, node_delta
+from ..ops.prepacked_linear import prepack_supported  # also imported from here (tests, bench)
 from ..pipeline import Pass, PassContext, PassResult, Program
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _param
 
 aten = torch.ops.aten
-
-
-def prepack_supported(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype in (torch.bfloat16, torch.float16):
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) if dtype == torch.bfloat16 \
-            else bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return dtype == torch.float32
 
 
 def cpu_linears(gm: torch.fx.GraphModule, dtypes: tuple[torch.dtype, ...] | None = None):
@@ -64,9 +56,10 @@ class PrepackLinear(Pass):
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        if phase == "decode" and getattr(ctx.config, "compile_decode", False):
+        if phase == "decode" and ctx.config.compile_decode:
             return PassResult(note="decode graph left dense: compile_decode packs its weights (Inductor freezing)")
         graph = gm.graph
+        before = counted_nodes(gm)
         packed: dict[str, str] = {}  # dense attr → packed attr (shared weights pack once)
         # packed tensors by dense weight, shared by every graph of the program (prefill and decode)
         shared: dict[int, torch.Tensor] = ctx.extras.setdefault("prepacked_weights", {})
@@ -88,5 +81,5 @@ class PrepackLinear(Pass):
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             count += 1
-        removed = eliminate_dead_code(gm)
-        return PassResult(matches=count, note=f"{count} linears on {len(packed)} packed weights; {removed} nodes removed")
+        eliminate_dead_code(gm)
+        return PassResult(matches=count, note=f"{count} linears on {len(packed)} packed weights; {node_delta(gm, before)}")

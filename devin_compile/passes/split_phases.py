@@ -11,7 +11,7 @@ Pattern → replacement::
   ``logits_indices`` is always ``arange(T)``: the gather of the last hidden states
   before lm_head (``aten.index.Tensor(h, [None, logits_indices])``) is dropped and lm_head
   reads ``h`` directly. Its batch sizes come from ``decode_buckets`` (1, 2, 4, ..., 128 by
-  default). When the runtime pads a decode batch up to its bucket (for static-shape
+  default: ``config.DEFAULT_DECODE_BUCKETS``; ``step.decode_bucket`` picks a batch's bucket). When the runtime pads a decode batch up to its bucket (for static-shape
   decode callables: CUDA Graphs, ahead-compiled CPU decode), the dummy tokens get slot
   -1, so their K/V writes are skipped and they touch no real KV page; their rows are
   discarded.
@@ -26,21 +26,15 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+<<<<<<< HEAD
 from ..graph_utils import copy_graph, is_call
+=======
+from ..config import DEFAULT_DECODE_BUCKETS
+from ..graph_utils import is_call
+>>>>>>> house-compiler
 from ..pipeline import Pass, PassContext, PassError, PassResult, Program
 
 aten = torch.ops.aten
-
-DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def decode_bucket(batch: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket that holds ``batch`` sequences, or None above the largest."""
-    for b in buckets:
-        if b >= batch:
-            return b
-    return None
-
 
 class SplitPhases(Pass):
     name = "split_phases"

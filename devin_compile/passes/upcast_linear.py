@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..ops.prepacked_linear import prepack_supported
 from ..ops.upcast_linear import upcast_linear
 from ..pipeline import Pass, PassContext, PassResult, Program
-from .prepack_linear import cpu_linears, prepack_supported
+from .prepack_linear import cpu_linears
 
 MIN_ROWS = 8  # measured crossover on this CPU: equal at 4 rows, 1.7x (layers) / 1.8x (lm_head) at 8
 
@@ -42,7 +43,7 @@ class UpcastLinear(Pass):
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        if phase == "decode" and getattr(ctx.config, "compile_decode", False):
+        if phase == "decode" and ctx.config.compile_decode:
             return PassResult(note="decode graph left to compile_decode")
         graph = gm.graph
         count = 0

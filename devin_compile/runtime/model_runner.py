@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.attention.registry import AttentionBackend, select_attention_backend
-from ..passes.split_phases import decode_bucket
+from ..step import decode_bucket
 from ..pipeline import Program
 from ..step import AttentionMetadata, StepContext, step_context
 from .kv_cache import PagedKVCache
