@@ -26,12 +26,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-<<<<<<< HEAD
-from ..graph_utils import copy_graph, is_call
-=======
 from ..config import DEFAULT_DECODE_BUCKETS
-from ..graph_utils import is_call
->>>>>>> house-compiler
+from ..graph_utils import copy_graph, is_call
 from ..pipeline import Pass, PassContext, PassError, PassResult, Program
 
 aten = torch.ops.aten
