@@ -1,0 +1,109 @@
+"""The house rules of the package layout (DESIGN.md, docs/architecture.md "Layout and floors"):
+no two modules import each other, and no module imports from a floor above its own.
+
+Imports are read with ast from the source (``TYPE_CHECKING`` and function-local imports
+count too): a lazy import up a floor is still a leak.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "devin_compile"
+
+# Bottom up. A module's floor is the first entry whose prefix matches its dotted name.
+FLOORS: list[tuple[str, ...]] = [
+    ("step", "graph_utils", "compile_lock", "validation"),
+    ("backends",),
+    ("ops",),
+    ("config", "capture", "pipeline", "quant", "cache"),
+    ("passes",),
+    ("runtime",),
+    ("api", "optimized_model", "compile_backend", "offload", "benchmarking", "models", ""),
+    ("cli",),
+]
+
+
+def floor_of(module: str) -> int:
+    rel = module.removeprefix("devin_compile").removeprefix(".")
+    best = None
+    for i, names in enumerate(FLOORS):
+        for name in names:
+            if name and (rel == name or rel.startswith(name + ".")):
+                return i
+            if not name and rel == "":
+                best = i
+    assert best is not None, f"{module} has no floor in FLOORS: add it"
+    return best
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PKG.rglob("*.py"):
+        parts = ["devin_compile", *path.relative_to(PKG).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Package modules ``module`` imports (``from pkg import submodule`` names the submodule)."""
+    is_pkg = path.name == "__init__.py"
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base[: len(base) - node.level + 1]
+                target = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("devin_compile"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in known else target)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("devin_compile"))
+    out.discard(module)
+    return {m for m in out if m in known}
+
+
+@pytest.fixture(scope="module")
+def graph() -> nx.DiGraph:
+    mods = _modules()
+    g = nx.DiGraph()
+    for m, p in mods.items():
+        g.add_node(m)
+        for dep in _imports(m, p, set(mods)):
+            # a package's __init__ re-exporting its own submodules is not a leak
+            if not dep.startswith(m + "."):
+                g.add_edge(m, dep)
+    return g
+
+
+def test_no_import_circles(graph):
+    cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_from_a_floor_above(graph):
+    up = [f"{a} (floor {floor_of(a)}) imports {b} (floor {floor_of(b)})"
+          for a, b in graph.edges if floor_of(b) > floor_of(a)]
+    assert not up, "imports that run up a floor:\n" + "\n".join(sorted(up))
+
+
+def test_passes_never_import_runtime_or_backends(graph):
+    bad = [f"{a} -> {b}" for a, b in graph.edges
+           if a.startswith("devin_compile.passes") and b.startswith(("devin_compile.runtime", "devin_compile.backends"))]
+    assert not bad, bad
+
+
+def test_runtime_never_imports_a_pass(graph):
+    bad = [f"{a} -> {b}" for a, b in graph.edges
+           if a.startswith("devin_compile.runtime") and b.startswith("devin_compile.passes")]
+    assert not bad, bad
