@@ -24,8 +24,8 @@ class DecodeTiming:
     ttft_s: float
     tokens: list[int]
 
-    def row(self, name_width: int = 24) -> str:
-        return f"{self.name:{name_width}} {self.decode_tok_s:10.1f} tok/s   TTFT {self.ttft_s * 1e3:8.1f} ms"
+    def row(self) -> str:
+        return f"{self.name:24} {self.decode_tok_s:10.1f} tok/s   TTFT {self.ttft_s * 1e3:8.1f} ms"
 
 
 def hf_peer_dtype(model) -> tuple[torch.dtype, str]:

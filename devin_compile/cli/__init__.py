@@ -23,7 +23,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command`` set, only that subcommand gets its arguments (the others are
     listed by name and help alone), with ``""`` none does."""
     ap = argparse.ArgumentParser(prog="devin-compile", description=DESCRIPTION, epilog=EPILOG)
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
     for name, module in COMMANDS.items():
         p = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
         if command is None or command == name:

@@ -65,8 +65,15 @@ def print_markdown(con, text: str) -> None:
     width of its longest line, so no table cell is cut at the 80 columns rich assumes there."""
     from rich.markdown import Markdown
 
-    width = None if con.is_terminal else max([con.width, *map(len, text.splitlines())])
-    con.print(Markdown(text), width=width)
+    if con.is_terminal:
+        con.print(Markdown(text))
+        return
+    width = con.width
+    con.width = max([width, *map(len, text.splitlines())])  # print(width=) cannot go past the console's
+    try:
+        con.print(Markdown(text))
+    finally:
+        con.width = width
 
 
 def load(args, con):

@@ -19,7 +19,7 @@ TARGET_HELP = ("which linears become INT4: all | keep_fp=N | int4_fraction=F | m
 
 def add_arguments(p) -> None:
     """Register the three stages under ``quantize``."""
-    stages = p.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    stages = p.add_subparsers(dest="stage", required=True, metavar="STAGE", help="the stage to run")
 
     def stage(name: str, text: str):
         return stages.add_parser(name, help=text, description=text)
@@ -56,7 +56,8 @@ def add_arguments(p) -> None:
     r.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H) (default 0.01)")
     r.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
-    r.add_argument("--out", required=True, metavar="DIR", help="directory for quantized.safetensors + quant_config.json")
+    r.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for quantized.safetensors + quant_config.json")
     r.set_defaults(fn=quantize)
 
     v = stage("validate", "perplexity, KL, top-1, bytes and per-layer table (end of --data)")

@@ -64,6 +64,8 @@ def main(args) -> int:
 def _bench(args, con, model, opt, bench_ids: list[int]) -> None:
     """Batch-1 decode of HF eager and devin-compile side by side. Where the model's dtype has no
     native GEMMs on this CPU, HF eager is timed in float32 (its fastest dtype there), and its row says so."""
+    import copy
+
     import torch
 
     from ..benchmarking import hf_peer_dtype, time_devin_decode, time_hf_decode
@@ -71,23 +73,20 @@ def _bench(args, con, model, opt, bench_ids: list[int]) -> None:
     dtype = opt.info.dtype
     dtype_name = str(dtype).replace("torch.", "")
     peer_dtype, why = hf_peer_dtype(model)
-    hf_model, hf_name = model, "HF eager"
+    hf_model, hf_name, footnote = model, "HF eager", ""
     if peer_dtype != dtype:
-        hf_model = _copy_in(model, peer_dtype)
-        hf_name = f"HF eager ({str(peer_dtype).replace('torch.', '')}; {why})"
+        peer_name = str(peer_dtype).replace("torch.", "")
+        hf_model = copy.deepcopy(model).to(peer_dtype)
+        hf_name = f"HF eager ({peer_name})*"
+        footnote = f"* {why}, so HF eager runs in {peer_name}"
     with con.status(f"timing batch-1 decode of {args.bench_tokens} tokens (median of {args.repeats}) ..."):
         hf = time_hf_decode(hf_model, bench_ids, args.bench_tokens, args.repeats, name=hf_name)
         dv = time_devin_decode(opt, bench_ids, args.bench_tokens, args.repeats)
-    width = max(24, len(hf.name), len(dv.name))
     con.print(f"\nbatch-1 decode, {dtype_name}, "
               f"{len(bench_ids)}-token prompt, {args.bench_tokens} new tokens, {torch.get_num_threads()} threads")
-    con.print(hf.row(width))
-    con.print(dv.row(width))
-    same = hf.tokens == dv.tokens if peer_dtype == dtype else "n/a (HF ran in another dtype)"
+    con.print(hf.row())
+    con.print(dv.row())
+    if footnote:
+        con.print(footnote)
+    same = hf.tokens == dv.tokens if peer_dtype == dtype else f"n/a (HF ran in {str(peer_dtype)[6:]})"
     con.print(f"speed-up: {dv.decode_tok_s / hf.decode_tok_s:.2f}x   same greedy tokens: {same}")
-
-
-def _copy_in(model, dtype):
-    import copy
-
-    return copy.deepcopy(model).to(dtype)
