@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import devin_compile
+import devin_compile.ops  # noqa: F401  (registers the devin:: ops; importing the package alone no longer does)
 from devin_compile.backends.int4 import kernels
 from devin_compile.quant import artifact, awq, gptq
 from devin_compile.backends.int4 import format as fmt
