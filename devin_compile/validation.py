@@ -59,10 +59,14 @@ def number_in(name: str, value: Any, lo: float | None = None, hi: float | None =
         ok = value < hi if hi_open else value <= hi
     if ok:
         return
-    if hi is None:
-        must = f"a number {'>' if lo_open else '>='} {lo}"
+    if lo is not None and hi is not None:
+        must = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    elif lo is not None:
+        must = f"a number {'>' if lo_open else '>='} {lo:g}"
+    elif hi is not None:
+        must = f"a number {'<' if hi_open else '<='} {hi:g}"
     else:
-        must = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        must = "a number"
     _fail(name, value, must, hint, optional)
 
 
