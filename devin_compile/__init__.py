@@ -4,23 +4,45 @@
 ordered pipeline of FX passes into graphs that call ``devin::`` ops over a paged KV
 cache, and returns an engine-backed model with ``generate`` and ``__call__``.
 ``torch.compile(model, backend="devin")`` runs the graph-generic passes and Inductor.
+
+The public names below are imported on first use, so ``import devin_compile.cli`` (the
+``devin-compile`` command) does not pay for torch and transformers before it needs them.
 """
-from .api import OptimizedModel, optimize
-from .capture import UnsupportedModelError
-from .config import OptimizeConfig
-from .pipeline import PassError
-from .offload import pipeline_offload
-from .runtime.async_engine import AsyncEngine
-from .runtime.engine import Engine, RequestError
-from .config import KVPruneConfig
-from .runtime.kv_cache import KVCacheExhaustedError
-from .runtime.kv_prune import enable_kv_pruning
-from .runtime.sampling import SamplingParams
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+# public name → the module that defines it
+_EXPORTS = {
+    "optimize": ".api", "OptimizedModel": ".api",
+    "UnsupportedModelError": ".capture",
+    "OptimizeConfig": ".config", "KVPruneConfig": ".config",
+    "PassError": ".pipeline",
+    "pipeline_offload": ".offload",
+    "AsyncEngine": ".runtime.async_engine",
+    "Engine": ".runtime.engine", "RequestError": ".runtime.engine",
+    "KVCacheExhaustedError": ".runtime.kv_cache",
+    "enable_kv_pruning": ".runtime.kv_prune",
+    "SamplingParams": ".runtime.sampling",
+}
 
 __all__ = [
     "AsyncEngine", "pipeline_offload",
     "optimize", "OptimizedModel", "OptimizeConfig", "SamplingParams", "Engine", "UnsupportedModelError",
     "PassError", "RequestError", "KVCacheExhaustedError", "KVPruneConfig", "enable_kv_pruning", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'devin_compile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

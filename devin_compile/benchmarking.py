@@ -28,7 +28,20 @@ class DecodeTiming:
         return f"{self.name:24} {self.decode_tok_s:10.1f} tok/s   TTFT {self.ttft_s * 1e3:8.1f} ms"
 
 
-def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int = 3) -> DecodeTiming:
+def hf_peer_dtype(model) -> tuple[torch.dtype, str]:
+    """The dtype to time HF eager in, and why when it is not the model's: a CPU model in bfloat16 or
+    float16 without native oneDNN GEMMs for it (e.g. AVX2 without AVX-512 BF16/AMX) runs HF's linears
+    on a slow fallback (~0.5 tok/s on SmolLM2), so its fair peer there is HF in float32."""
+    from .passes.prepack_linear import prepack_supported  # oneDNN has native kernels for the dtype
+
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype == torch.float32 or prepack_supported(p.dtype):
+        return p.dtype, ""
+    return torch.float32, f"{str(p.dtype).replace('torch.', '')} is not native on this CPU"
+
+
+def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int = 3,
+                   name: str = "HF eager") -> DecodeTiming:
     """HF eager ``generate`` (greedy, exactly ``new_tokens``, EOS ignored), batch 1."""
     py_arena_cache.install()
     ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
@@ -51,7 +64,7 @@ def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int =
             rates.append((new_tokens - 1) / max(total - ttft, 1e-9))
     if out.shape[1] - len(prompt_ids) != new_tokens:
         raise RuntimeError(f"HF generated {out.shape[1] - len(prompt_ids)} tokens, expected {new_tokens}")
-    return DecodeTiming("HF eager", statistics.median(rates), statistics.median(ttfts),
+    return DecodeTiming(name, statistics.median(rates), statistics.median(ttfts),
                         out[0, len(prompt_ids):].tolist())
 
 

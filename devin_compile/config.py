@@ -12,6 +12,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .validation import flag, fraction, from_mapping, int_at_least, is_int, number_in, one_of, positive_int
+
 #: Decode batch sizes the decode graph is specialised for, unless ``decode_buckets=`` says otherwise.
 DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -31,15 +33,6 @@ def parse_dtype(value: Any) -> torch.dtype | None:
     raise ValueError(f"dtype={value!r} is not supported; use one of {sorted(_DTYPES)} or a torch.dtype")
 
 
-def from_mapping(cls, value: Mapping[str, Any], what: str):
-    """Build the dataclass ``cls`` from a dict, rejecting unknown keys with the list of valid ones."""
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(value) - set(valid))
-    if unknown:
-        raise ValueError(f"{what} got unknown keys {unknown}; valid keys: {valid}")
-    return cls(**value)
-
-
 @dataclass
 class CacheConfig:
     """Paged KV pool: block size and how much memory the pool may take.
@@ -56,16 +49,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
+        if not is_int(self.block_size) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size!r} must be a positive power of two (e.g. 16)")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
-            raise ValueError(f"num_blocks={self.num_blocks!r} must be a positive integer")
-        if self.memory_bytes is not None and (not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0):
-            raise ValueError(f"kv_cache_memory={self.memory_bytes!r} must be a positive number of bytes")
-        if not (0.0 < float(self.memory_fraction) <= 0.95):
-            raise ValueError(f"kv_cache_fraction={self.memory_fraction!r} must be in (0, 0.95]")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
+        positive_int("num_blocks", self.num_blocks, optional=True)
+        positive_int("kv_cache_memory", self.memory_bytes, optional=True, hint="bytes")
+        fraction("kv_cache_fraction", self.memory_fraction, 0.0, 0.95)
+        flag("enable_prefix_caching", self.enable_prefix_caching)
 
 
 @dataclass
@@ -88,15 +77,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "min_batch_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive integer")
-        if self.step_mode not in ("mixed", "separate"):
-            raise ValueError(f"step_mode={self.step_mode!r} must be 'mixed' or 'separate'")
-        if not isinstance(self.max_wait_ms, (int, float)) or isinstance(self.max_wait_ms, bool) or self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms={self.max_wait_ms!r} must be a number of milliseconds >= 0")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
+            positive_int(name, getattr(self, name))
+        one_of("step_mode", self.step_mode, ("mixed", "separate"))
+        number_in("max_wait_ms", self.max_wait_ms, 0, hint="milliseconds")
+        int_at_least("max_model_len", self.max_model_len, 2, optional=True)
 
 
 @dataclass
@@ -132,44 +116,26 @@ class KVPruneConfig:
     POLICIES = ("attention", "streaming", "random")
 
     def __post_init__(self) -> None:
-        t = self.threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
-            raise ValueError(f"kv_prune.threshold={t!r} must be in [0, 1) (a fraction of uniform attention; "
-                             "0 evicts nothing unless a cap is set)")
-        for name in ("step_interval",):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"kv_prune.{name}={v!r} must be a positive integer (decode steps between evaluations)")
+        number_in("kv_prune.threshold", self.threshold, 0.0, 1.0, hi_open=True,
+                  hint="a fraction of uniform attention; 0 evicts nothing unless a cap is set")
+        positive_int("kv_prune.step_interval", self.step_interval, hint="decode steps between evaluations")
         for name in ("sink_tokens", "recent_tokens", "seed", "prefill_window"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"kv_prune.{name}={v!r} must be an integer >= 0")
+            int_at_least(f"kv_prune.{name}", getattr(self, name), 0)
+        positive_int("kv_prune.max_tokens", self.max_tokens, optional=True)
         protected = self.sink_tokens + self.recent_tokens
-        if self.max_tokens is not None:
-            v = self.max_tokens
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"kv_prune.max_tokens={v!r} must be a positive integer or None")
-            if v < max(protected, 1):
-                raise ValueError(
-                    f"kv_prune.max_tokens={v} is smaller than sink_tokens + recent_tokens = {protected}: the cap "
-                    "could only be met by evicting every token; raise max_tokens or lower the windows")
-        if self.max_ratio is not None:
-            v = self.max_ratio
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
-                raise ValueError(f"kv_prune.max_ratio={v!r} must be in (0, 1] (live tokens / positions) or None")
-        if isinstance(self.pool_kernel, bool) or not isinstance(self.pool_kernel, int) or self.pool_kernel < 1:
-            raise ValueError(f"kv_prune.pool_kernel={self.pool_kernel!r} must be an integer >= 1 (1: no pooling)")
-        r = self.recency_layers
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-            raise ValueError(f"kv_prune.recency_layers={r!r} must be in [0, 1] (the fraction of attention layers, "
-                             "from the first, that evict their oldest tokens)")
-        if self.policy not in self.POLICIES:
-            raise ValueError(f"kv_prune.policy={self.policy!r} is unknown; valid: {list(self.POLICIES)}")
+        if self.max_tokens is not None and self.max_tokens < max(protected, 1):
+            raise ValueError(
+                f"kv_prune.max_tokens={self.max_tokens} is smaller than sink_tokens + recent_tokens = {protected}: "
+                "the cap could only be met by evicting every token; raise max_tokens or lower the windows")
+        fraction("kv_prune.max_ratio", self.max_ratio, optional=True, hint="live tokens / positions")
+        positive_int("kv_prune.pool_kernel", self.pool_kernel, hint="1: no pooling")
+        number_in("kv_prune.recency_layers", self.recency_layers, 0.0, 1.0,
+                  hint="the fraction of attention layers, from the first, that evict their oldest tokens")
+        one_of("kv_prune.policy", self.policy, self.POLICIES)
         if self.policy != "attention" and not self.has_cap:
             raise ValueError(f"kv_prune.policy={self.policy!r} ignores scores, so it needs a cap: set max_tokens or "
                              "max_ratio")
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"kv_prune.enabled={self.enabled!r} must be True or False")
+        flag("kv_prune.enabled", self.enabled)
 
     @property
     def has_cap(self) -> bool:
@@ -247,15 +213,29 @@ class OptimizeConfig:
             except (RuntimeError, TypeError) as e:
                 raise ValueError(f"device={self.device!r} is not a valid torch device: {e}") from None
         if self.attention_backend is not None:
-            from .backends.attention.registry import backend_names
+            from .backends.attention.registry import backend_names  # lazily: importing config loads no backend
 
-            if self.attention_backend not in backend_names():
-                raise ValueError(
-                    f"attention_backend={self.attention_backend!r} is unknown; valid: {backend_names()}"
-                )
-        for flag in ("compile_decode", "warmup", "split_phases"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag}={getattr(self, flag)!r} must be True or False")
+            one_of("attention_backend", self.attention_backend, backend_names())
+        for name in ("compile_decode", "warmup", "split_phases"):
+            flag(name, getattr(self, name))
+        self._check_compile_decode()
+        buckets = self.decode_buckets
+        if (not isinstance(buckets, (list, tuple)) or not buckets
+                or any(not is_int(b) or b < 1 for b in buckets)):
+            raise ValueError(f"decode_buckets={buckets!r} must be a non-empty list of positive integers, "
+                             "e.g. (1, 2, 4, 8, 16, 32, 64, 128)")
+        self.decode_buckets = tuple(sorted(set(buckets)))
+        self.kv_prune = KVPruneConfig.coerce(self.kv_prune)
+        if self.kv_prune is not None and not self.split_phases:
+            raise ValueError("kv_prune= needs split_phases=True (the kv_prune nodes live in the decode graph)")
+        if self.kv_prune is not None and self.compile_decode:
+            raise ValueError("kv_prune= with compile_decode=True is not supported yet (the ahead-compiled decode "
+                             "callables would need the kv_prune nodes kept opaque); drop one of them")
+        self._check_quantization()
+        if self.dump_dir is None:
+            self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
+
+    def _check_compile_decode(self) -> None:
         if self.compile_decode and not self.split_phases:
             raise ValueError("compile_decode=True needs split_phases=True (it compiles the decode graph)")
         opts = self.compile_decode_options
@@ -266,39 +246,30 @@ class OptimizeConfig:
             raise ValueError("compile_decode_options= needs compile_decode=True (they configure its Inductor compile)")
         if opts:
             import torch._inductor.config as inductor_config
-        unknown = sorted(str(k) for k in opts if not isinstance(k, str) or not hasattr(inductor_config, k))
-        if unknown:
-            raise ValueError(f"compile_decode_options has keys torch._inductor.config does not know: {unknown} "
-                             "(e.g. 'cpp_wrapper', 'max_autotune')")
-        self.compile_decode_options = dict(opts)
-        buckets = self.decode_buckets
-        if (not isinstance(buckets, (list, tuple)) or not buckets
-                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):
-            raise ValueError(f"decode_buckets={buckets!r} must be a non-empty list of positive integers, "
-                             "e.g. (1, 2, 4, 8, 16, 32, 64, 128)")
-        self.decode_buckets = tuple(sorted(set(buckets)))
-        self.kv_prune = KVPruneConfig.coerce(self.kv_prune)
-        if self.kv_prune is not None and not self.split_phases:
-            raise ValueError("kv_prune= needs split_phases=True (the kv_prune nodes live in the decode graph)")
-        if self.kv_prune is not None and getattr(self, "compile_decode", False):
-            raise ValueError("kv_prune= with compile_decode=True is not supported yet (the ahead-compiled decode "
-                             "callables would need the kv_prune nodes kept opaque); drop one of them")
-        from .quant.quantize import RUNTIME_KEYS, QuantConfig
 
-        if self.quantized is not None:
-            if not isinstance(self.quantized, (str, os.PathLike)) or not os.path.isdir(self.quantized):
-                raise ValueError(f"quantized={self.quantized!r} is not a directory (write one with "
-                                 "`devin-compile quantize run --out DIR`)")
-            fixed = sorted(set(self.quantization or {}) - set(RUNTIME_KEYS)) if isinstance(self.quantization, Mapping) else []
-            if fixed:
-                raise ValueError(f"quantization keys {fixed} are fixed by the artifact in {self.quantized}; "
-                                 f"with quantized= only {list(RUNTIME_KEYS)} may be given")
-            QuantConfig.coerce(self.quantization or {})  # validate; the artifact's own settings fill the rest
-            self.quantization = dict(self.quantization or {})
-        else:
+            unknown = sorted(str(k) for k in opts if not isinstance(k, str) or not hasattr(inductor_config, k))
+            if unknown:
+                raise ValueError(f"compile_decode_options has keys torch._inductor.config does not know: {unknown} "
+                                 "(e.g. 'cpp_wrapper', 'max_autotune')")
+        self.compile_decode_options = dict(opts)
+
+    def _check_quantization(self) -> None:
+        """``quantization={...}`` becomes a QuantConfig; with ``quantized="dir/"`` only the runtime keys
+        may be given (the artifact's own settings fill the rest when it is loaded)."""
+        from .quant.config import RUNTIME_KEYS, QuantConfig  # lazily: quant/ pulls in the INT4 format
+
+        if self.quantized is None:
             self.quantization = QuantConfig.coerce(self.quantization)
-        if self.dump_dir is None:
-            self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
+            return
+        if not isinstance(self.quantized, (str, os.PathLike)) or not os.path.isdir(self.quantized):
+            raise ValueError(f"quantized={self.quantized!r} is not a directory (write one with "
+                             "`devin-compile quantize run --out DIR`)")
+        fixed = sorted(set(self.quantization or {}) - set(RUNTIME_KEYS)) if isinstance(self.quantization, Mapping) else []
+        if fixed:
+            raise ValueError(f"quantization keys {fixed} are fixed by the artifact in {self.quantized}; "
+                             f"with quantized= only {list(RUNTIME_KEYS)} may be given")
+        QuantConfig.coerce(self.quantization or {})  # validate
+        self.quantization = dict(self.quantization or {})
 
     # Flat keyword names users pass to optimize(), mapped onto the nested dataclasses.
     _FLAT = {

@@ -63,15 +63,66 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     return model.to(dtype).eval(), tok
 
 
-def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a GGUF file, an HF model folder, or the embedded SmolLM2 (``None``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class ModelLoadError(ValueError):
+    """A model path that cannot be loaded as a causal LM: one line naming the file and the way out."""
 
+
+_WAY_OUT = "give a local Hugging Face causal-LM folder (config.json, weights, tokenizer files) or a .gguf file"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                    "spiece.model")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a GGUF file, an HF model folder, or the embedded SmolLM2 (``None``).
+    A path that is none of these is a :class:`ModelLoadError` (a ``ValueError``) saying why."""
     p = smollm2_gguf_path() if path is None else Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {p} does not exist (give a local HF folder or a .gguf file)")
-    if p.suffix == ".gguf":
-        return _load_gguf(p, dtype)
-    tok = AutoTokenizer.from_pretrained(p)
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
+    if p.is_file():
+        if p.suffix == ".gguf":
+            return _load_gguf(p, dtype)
+        raise ModelLoadError(f"{p} is a file but not a .gguf model: {_WAY_OUT}")
+    return _load_hf_folder(p, dtype)
+
+
+def causal_lm_config(folder: Path):
+    """The transformers config of ``folder``, checked to describe a causal (decoder-only) LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{folder} has no config.json, so it is not a Hugging Face model folder: {_WAY_OUT}")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{config_file} is not a model config transformers can read ({_first_line(e)}): "
+                             f"{_WAY_OUT}") from None
+    # encoder configs (BERT, RoBERTa, ...) carry is_decoder=False; their causal-LM heads need is_decoder=True
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "is_decoder", True) is False:
+        raise ModelLoadError(f"{config_file} describes a {config.model_type!r} model ({type(config).__name__}), "
+                             f"not a causal (decoder-only) LM: {_WAY_OUT}")
+    return config
+
+
+def _load_hf_folder(p: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = causal_lm_config(p)
+    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(f"{p} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}, ...): save the "
+                             f"tokenizer there with tokenizer.save_pretrained({str(p)!r})")
+    try:
+        tok = AutoTokenizer.from_pretrained(p)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ModelLoadError(f"the tokenizer in {p} does not load ({_first_line(e)}): save it again with "
+                             f"tokenizer.save_pretrained({str(p)!r})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, config=config, dtype=dtype)
+    except OSError as e:  # e.g. no weights file
+        raise ModelLoadError(f"{p}: {_first_line(e)} (save the model there with model.save_pretrained)") from None
     return model.eval(), tok

@@ -29,12 +29,13 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import devin_compile
+import devin_compile.ops  # noqa: F401  (registers the devin:: ops; importing the package alone no longer does)
 from devin_compile.backends.int4 import kernels
 from devin_compile.quant import artifact, awq, gptq
 from devin_compile.backends.int4 import format as fmt
 from devin_compile.quant.calibration import CalibrationStats, collect_stats, token_chunks
 from devin_compile.backends.int4.format import choose_group_size
-from devin_compile.quant.quantize import QuantConfig, parse_target, quantize_model, simulate
+from devin_compile.quant import QuantConfig, parse_target, quantize_model, simulate
 
 
 def _logical(n, k, g, seed=0):
@@ -442,7 +443,7 @@ def test_output_gradient_statistics_match_autograd(tiny):
 def test_sensitivity_is_estimated_loss_increase(tiny, tiny_results):
     model, stats = tiny
     from devin_compile.quant.awq import output_error
-    from devin_compile.quant.quantize import sensitivity
+    from devin_compile.quant import sensitivity
 
     res = tiny_results["awq"]
     lins = dict(model.named_modules())
@@ -705,7 +706,7 @@ def test_max_kl_target_is_resolved_by_measurement(tiny):
     with torch.no_grad():
         assert (strict(ids).logits - model(ids).logits).abs().max() <= 1e-4
     mid = loose.quant_result
-    from devin_compile.quant.quantize import resolve_max_kl
+    from devin_compile.quant import resolve_max_kl
 
     chunks = [torch.randint(3, 256, (64,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     target = resolve_max_kl(model, mid, chunks, 1e-4)

@@ -30,7 +30,7 @@ import torch
 
 from ..backends.int4 import format as fmt
 from .calibration import check_fingerprint, output_head, quantizable_linears
-from .quantize import QLinear, QuantResult
+from .result import QLinear, QuantResult
 
 TENSORS_FILE = "quantized.safetensors"
 CONFIG_FILE = "quant_config.json"

@@ -9,14 +9,18 @@ compared at every position that predicts a next token (``L - 1`` per chunk):
 
 ``logits_fn`` maps a [1, L] id tensor to [1, L, V] logits (an HF model's ``.logits``, an
 ``OptimizedModel`` call, ...). Reference logits can be computed once and reused.
+:func:`validate` compiles a saved artifact and reports all of these with the weight bytes.
 """
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+
+from .calibration import load_token_stream, token_chunks
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -70,3 +74,23 @@ def compare(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor], ref: Sequence[t
         agree += float((r.argmax(-1) == q.argmax(-1)).sum())
         n += target.numel()
     return Quality(math.exp(nll_ref / n), math.exp(nll / n), kl / n, agree / n, n)
+
+
+def validate(model: torch.nn.Module, tokenizer, quantized: str, *, optimize: Callable[..., Any],
+             data: str | None = None, num_chunks: int = 16, chunk_len: int = 512, **optimize_options: Any) -> dict:
+    """Perplexity (fixed ``chunk_len`` chunks from the end of ``data``), KL vs the unquantized
+    model over the full vocabulary, top-1 agreement, weight bytes and the per-layer table of the
+    model compiled by ``optimize(model, tokenizer=..., quantized=..., **optimize_options)``
+    (pass ``devin_compile.optimize``)."""
+    stream = load_token_stream(tokenizer, data)
+    chunks = token_chunks(stream, num_chunks, chunk_len, from_end=True, what="evaluation")
+    t0 = time.perf_counter()
+    opt = optimize(model, tokenizer=tokenizer, quantized=quantized, **optimize_options)
+    compile_s = time.perf_counter() - t0
+    ref = reference_logits(hf_logits_fn(model), chunks)
+    quality = compare(optimized_logits_fn(opt), chunks, ref)
+    table = opt.precision_table
+    return {"quantized": str(quantized), "quality": quality.as_dict(), "chunks": num_chunks, "chunk_len": chunk_len,
+            "int4_bytes_total": sum(r["bytes"] for r in table),
+            "fp_bytes_total": sum(r["params"] for r in table) * next(model.parameters()).element_size(),
+            "compile_seconds": compile_s, "layers": table, "pass_note": opt.quant_note}

@@ -1,0 +1,42 @@
+"""The ``devin-compile`` command line: one module per subcommand (run, dump, quantize).
+
+Each subcommand module has ``HELP`` (one line), ``DESCRIPTION`` (its --help text),
+``add_arguments(parser)``, which also sets the function that runs it, and that function.
+Only the chosen subcommand's arguments are registered, and torch/transformers are imported
+inside the subcommands, so ``devin-compile --help`` answers at once. Every argument is
+checked before a model is loaded; a bad one ends with ``devin-compile: error: ...`` (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import dump, quantize, run
+
+DESCRIPTION = "Compile a Hugging Face causal LM into a paged-KV engine and use it."
+EPILOG = 'Run "devin-compile COMMAND --help" for the options of a command.'
+
+COMMANDS = {"run": run, "dump": dump, "quantize": quantize}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command`` set, only that subcommand gets its arguments (the others are
+    listed by name and help alone), with ``""`` none does."""
+    ap = argparse.ArgumentParser(prog="devin-compile", description=DESCRIPTION, epilog=EPILOG)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
+    for name, module in COMMANDS.items():
+        p = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+        if command is None or command == name:
+            module.add_arguments(p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    args = build_parser(command).parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"devin-compile: error: {e}", file=sys.stderr)
+        return 2

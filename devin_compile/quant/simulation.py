@@ -1,0 +1,36 @@
+"""The eager counterpart of a compiled quantized model, for tests, evaluation and the ``max_kl`` search."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .calibration import output_head, quantizable_linears
+from .result import QuantResult
+
+
+def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None = None) -> torch.nn.Module:
+    """A deep copy of ``model`` with the linears in ``int4`` (default: all) replaced by their
+    dequantized weights and the others by their full-precision weights, AWQ folds applied:
+    what the compiled model computes, in eager PyTorch (for tests and evaluation)."""
+    sim = copy.deepcopy(model)
+    if result.head is not None:
+        untie_head(sim)
+    params = dict(sim.named_parameters())
+    lins = quantizable_linears(sim, lm_head=result.head is not None)
+    chosen = set(result.linears) if int4 is None else set(int4)
+    with torch.no_grad():
+        for pname, value in result.overrides.items():
+            params[pname].copy_(value)
+        for n, ql in result.linears.items():
+            w = lins[n].weight
+            w.copy_(ql.dequantized(w.dtype) if n in chosen else ql.fp_weight(w))
+    return sim
+
+
+def untie_head(model: torch.nn.Module) -> None:
+    """Give a head tied to the input embedding its own weight (a copy), so writing one leaves the other."""
+    head = output_head(model)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is not None and emb is not None and head[1].weight is emb.weight:
+        head[1].weight = torch.nn.Parameter(head[1].weight.detach().clone(), requires_grad=False)
