@@ -55,7 +55,7 @@ from devin_compile.quant import artifact  # noqa: E402
 from devin_compile.quant.calibration import calibration_and_eval_chunks, collect_stats, load_token_stream  # noqa: E402
 from devin_compile.quant.evaluate import compare, hf_logits_fn, optimized_logits_fn, reference_logits  # noqa: E402
 from devin_compile.ops.upcast_linear import upcast_linear  # noqa: E402
-from devin_compile.passes.prepack_linear import prepack_supported  # noqa: E402
+from devin_compile.ops.prepacked_linear import prepack_supported  # noqa: E402
 
 PROMPT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
           "First Citizen:\nYou are all resolved rather to die than to famish?\n")

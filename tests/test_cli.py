@@ -151,7 +151,7 @@ def test_run_prints_full_pass_names_when_piped(tmp_path, capsys):
 
 
 def test_hf_peer_runs_in_float32_where_bf16_is_not_native(tmp_path, capsys, monkeypatch):
-    import devin_compile.passes.prepack_linear as prepack
+    import devin_compile.ops.prepacked_linear as prepack
 
     monkeypatch.setattr(prepack, "prepack_supported", lambda dtype: dtype == torch.float32)
     model = _tiny_llama(tmp_path / "tiny")
@@ -164,7 +164,7 @@ def test_hf_peer_runs_in_float32_where_bf16_is_not_native(tmp_path, capsys, monk
 
 
 def test_hf_peer_dtype(monkeypatch):
-    import devin_compile.passes.prepack_linear as prepack
+    import devin_compile.ops.prepacked_linear as prepack
 
     fp32 = torch.nn.Linear(2, 2)
     assert benchmarking.hf_peer_dtype(fp32) == (torch.float32, "")

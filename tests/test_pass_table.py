@@ -17,7 +17,7 @@ from devin_compile.passes import (AssignPrecision, AttentionToPaged, Cleanup, Co
                                   OffloadEmbeddings, PrepackLinear, SplitPhases, UpcastLinear, default_passes)
 from devin_compile.passes.table import PASS_TABLE, STAGES, table_markdown
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
-from devin_compile.quant.quantize import QuantConfig
+from devin_compile.quant.config import QuantConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

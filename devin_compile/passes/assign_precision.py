@@ -49,7 +49,8 @@ from ..graph_utils import add_call, counted_nodes, is_call, node_delta
 from ..ops import int4_linear as int4_op
 from ..ops.prepacked_linear import prepack_supported
 from ..pipeline import Pass, PassContext, PassError, PassResult
-from ..quant.quantize import QuantConfig, QuantResult, sensitivity
+from ..quant.config import QuantConfig
+from ..quant.result import QuantResult, sensitivity
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _fake_like, _param
 

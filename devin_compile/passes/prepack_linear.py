@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from ..graph_utils import counted_nodes, is_call, node_delta
-from ..ops.prepacked_linear import prepack_supported  # also imported from here (tests, bench)
+from ..ops.prepacked_linear import prepack_supported
 from ..pipeline import Pass, PassContext, PassResult, Program
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _param

@@ -16,7 +16,8 @@ from typing import Callable
 
 from ..config import OptimizeConfig
 from ..pipeline import Pass
-from ..quant.quantize import QuantConfig, QuantResult
+from ..quant.config import QuantConfig
+from ..quant.result import QuantResult
 from .assign_precision import AssignPrecision
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup

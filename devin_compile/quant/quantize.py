@@ -22,7 +22,6 @@ from ..backends.int4 import format as fmt
 from .calibration import CalibrationStats, model_fingerprint, output_head, quantizable_linears
 from .config import QuantConfig
 from .result import QLinear, QuantResult
-from .result import sensitivity  # noqa: F401  (passes/assign_precision imports it from here)
 
 
 def _fold_source(name: str, linears: dict[str, torch.nn.Linear]) -> str | None:
