@@ -57,12 +57,20 @@ def capture(model: torch.nn.Module, *, example_len: int = 8, info: ModelInfo | N
     emit_before = getattr(torch.fx.config, "do_not_emit_stack_traces", None)  # None: this torch has no switch
     if emit_before is not None:
         torch.fx.config.do_not_emit_stack_traces = not stack_traces
-    try:
+    def export(tokens):
         with TRACE_LOCK, torch.no_grad():
-            ep = torch.export.export(
-                FlatTokensLM(model), (ids, pos, idx),
-                dynamic_shapes=({1: T}, {1: T}, {0: N}), strict=False,
-            )
+            return torch.export.export(FlatTokensLM(model), (ids, pos, idx),
+                                       dynamic_shapes=({1: tokens}, {1: tokens}, {0: N}), strict=False)
+
+    try:
+        try:
+            ep = export(T)
+        except Exception as e:  # noqa: BLE001
+            # A graph valid only up to the model's length (MPT slices a max_seq_len-long ALiBi table,
+            # which guards num_tokens <= max_seq_len): export again with that bound on the token count.
+            if "Constraints violated" not in str(e) or info.max_model_len < 2:
+                raise
+            ep = export(torch.export.Dim("num_tokens", min=2, max=info.max_model_len))
     except Exception as e:  # noqa: BLE001  (any capture failure becomes one clear error)
         msg = str(e).strip().splitlines()
         first = msg[0] if msg else type(e).__name__

@@ -130,7 +130,8 @@ def sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, torc
             out[n] = -1 if mask is None else fallback[n]
             continue
         vis = vis.cpu()
-        if torch.equal(vis, causal):
+        if torch.equal(vis, causal) or torch.equal(vis, ~causal):
+            # ~causal: a bool mask marking the *hidden* keys (MPT's masked_fill(mask, min) convention)
             out[n] = fallback[n] if fallback[n] >= L else -1
         elif has_window and torch.equal(vis, band):
             out[n] = int(window)

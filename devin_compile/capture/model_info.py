@@ -100,7 +100,8 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=text_cfg.vocab_size,
-        max_model_len=int(getattr(text_cfg, "max_position_embeddings", 0) or 2048),
+        max_model_len=int(getattr(text_cfg, "max_position_embeddings", 0) or getattr(text_cfg, "max_seq_len", 0)
+                          or 2048),
         dtype=param.dtype,
         device=param.device,
         eos_token_ids=_eos_ids(model),

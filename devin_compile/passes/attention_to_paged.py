@@ -39,11 +39,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 
 from .. import ops as _ops  # noqa: F401  (registers devin::paged_attention)
 from ..capture import module_path_of
-from ..graph_utils import RESHAPES, add_call, counted_nodes, is_call, node_delta, node_shape
+from ..graph_utils import RESHAPES, add_call, counted_nodes, fake_value, is_call, node_delta, node_shape
 from ..pipeline import Pass, PassContext, PassError, PassResult
+from .alibi_bias import PROBE_LEN, SubgraphEvaluator, additive_bias, fit_alibi
 from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
@@ -62,6 +64,8 @@ class AttentionSite:
     scale: float | None
     softcap: float
     form: str  # "sdpa" | "eager"
+    # (node, coefficient, ndim-of-scores) terms added to the scaled scores: masks, or an ALiBi bias
+    bias_terms: list = None
 
 
 # torch.export's metadata checks (e.g. after ``softmax(..., dtype=float32).to(float32)``):
@@ -82,7 +86,9 @@ def _match_sdpa(node: torch.fx.Node) -> AttentionSite | None:
     dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
     if dropout:
         raise PassError(f"{node.name}: scaled_dot_product_attention with dropout_p={dropout}; call model.eval()")
-    return AttentionSite(node, q, k, v, node.kwargs.get("scale"), 0.0, "sdpa")
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    terms = [(mask, 1.0)] if isinstance(mask, torch.fx.Node) else []
+    return AttentionSite(node, q, k, v, node.kwargs.get("scale"), 0.0, "sdpa", terms)
 
 
 _MUL = (aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar)
@@ -109,13 +115,78 @@ def _peel_softcap(x: torch.fx.Node) -> tuple[torch.fx.Node, float]:
     return x, 0.0
 
 
-def _is_qk_matmul(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    if not is_call(x, aten.matmul.default):
+def _transposed_last(kt: object) -> torch.fx.Node | None:
+    """transpose(k, -2, -1) (any spelling of the last two dims) → k."""
+    if not is_call(kt, aten.transpose.int):
         return None
-    q, kt = x.args
-    if is_call(kt, aten.transpose.int) and sorted(a % 4 for a in kt.args[1:3]) == [2, 3]:
-        return q, kt.args[0]
+    nd = len(node_shape(kt) or (0, 0, 0, 0))
+    return kt.args[0] if sorted(a % nd for a in kt.args[1:3]) == [nd - 2, nd - 1] else None
+
+
+def _as_4d(x: object) -> torch.fx.Node | None:
+    """A [1, H, T, D] node as is; a [H, T, D] ``reshape``/``view`` of one (BLOOM's batch·heads bmm) → that one."""
+    shape = node_shape(x) if isinstance(x, torch.fx.Node) else None
+    if shape is not None and len(shape) == 4:
+        return x
+    if shape is not None and len(shape) == 3 and is_call(x, *RESHAPES):
+        base = node_shape(x.args[0])
+        if base is not None and len(base) == 4 and base[0] == 1 and base[1] == shape[0]:
+            return x.args[0]
     return None
+
+
+def _is_qk_matmul(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, float, list] | None:
+    """matmul(q, kᵀ) → (q, k, 1, []); baddbmm(bias, q, kᵀ, beta=b, alpha=a) → (q, k, a, [(bias, b)])."""
+    if is_call(x, aten.matmul.default):
+        q, kt = x.args
+        k = _transposed_last(kt)
+        return (q, k, 1.0, []) if k is not None else None
+    if is_call(x, aten.baddbmm.default):
+        bias, q, kt = x.args[:3]
+        beta, alpha = x.kwargs.get("beta", 1.0), x.kwargs.get("alpha", 1.0)
+        k, q4 = _transposed_last(kt), _as_4d(q)
+        k4 = _as_4d(k) if k is not None else None
+        if q4 is None or k4 is None:
+            return None
+        return q4, k4, float(alpha), [(bias, float(beta))]
+    return None
+
+
+_MASKED_FILL = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+
+
+def _peel_scores(x: object) -> tuple[torch.fx.Node, torch.fx.Node, float | None, float, list] | None:
+    """Softmax input → (q, k, scale, softcap, additive terms), walking back through casts, views,
+    ``masked_fill`` (a mask, checked by capture's mask probe), ``+ term`` (mask or bias), the
+    soft-cap and the scale to ``q @ kᵀ`` (or BLOOM's ``baddbmm``)."""
+    terms: list = []
+    while isinstance(x, torch.fx.Node):
+        if is_call(x, *_CASTS, *RESHAPES) or is_call(x, *_MASKED_FILL):
+            x = x.args[0]
+            continue
+        if is_call(x, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in x.args[:2]):
+            a, b = x.args[:2]
+            if _peel_scores(a) is not None:
+                terms.append((b, 1.0))
+                x = a
+            elif _peel_scores(b) is not None:
+                terms.append((a, 1.0))
+                x = b
+            else:
+                return None
+            continue
+        break
+    if not isinstance(x, torch.fx.Node):
+        return None
+    x, softcap = _peel_softcap(x)
+    x, scale = _peel_scale(x)
+    qk = _is_qk_matmul(x)
+    if qk is None:
+        return None
+    q, k, alpha, inner = qk
+    if alpha != 1.0:
+        scale = alpha * (1.0 if scale is None else scale)
+    return q, k, scale, softcap, terms + inner
 
 
 def _match_eager(node: torch.fx.Node) -> AttentionSite | None:
@@ -135,32 +206,25 @@ def _match_eager(node: torch.fx.Node) -> AttentionSite | None:
                 raise PassError(f"{nxt.name}: attention dropout in training mode; call model.eval()")
             cur = nxt
             continue
+        if is_call(nxt, *RESHAPES):  # BLOOM: probs viewed to [B·H, T, T] for a bmm
+            cur = nxt
+            continue
         break
-    if not (is_call(nxt, aten.matmul.default) and nxt.args[0] is cur):
-        return None
-    pv, v = nxt, nxt.args[1]
-    # Backward: scores [+ mask] ← [softcap] ← [· scale] ← matmul(q, kᵀ)
-    s = node.args[0]
-    if is_call(s, aten.add.Tensor):
-        a, b = s.args
-        s = a if _looks_like_scores(a) else b if _looks_like_scores(b) else None
-        if s is None:
+    if is_call(nxt, aten.matmul.default) and nxt.args[0] is cur:
+        pv, v = nxt, nxt.args[1]
+    elif is_call(nxt, aten.bmm.default) and nxt.args[0] is cur:
+        # [H, T, Dv] = bmm(probs, v3): the site's output is its view back to [1, H, T, Dv]
+        pv, v = _single_user(nxt), _as_4d(nxt.args[1])
+        if pv is None or v is None or _as_4d(pv) is not pv or not is_call(pv, *RESHAPES):
             return None
-    s, softcap = _peel_softcap(s)
-    s, scale = _peel_scale(s)
-    qk = _is_qk_matmul(s)
-    if qk is None:
+    else:
         return None
-    q, k = qk
-    return AttentionSite(pv, q, k, v, 1.0 if scale is None else scale, softcap, "eager")
-
-
-def _looks_like_scores(x: object) -> bool:
-    if not isinstance(x, torch.fx.Node):
-        return False
-    y, _ = _peel_softcap(x)
-    y, _ = _peel_scale(y)
-    return _is_qk_matmul(y) is not None
+    # Backward: scores [+ mask/bias] ← [softcap] ← [· scale] ← matmul(q, kᵀ) | baddbmm(bias, q, kᵀ)
+    peeled = _peel_scores(node.args[0])
+    if peeled is None:
+        return None
+    q, k, scale, softcap, terms = peeled
+    return AttentionSite(pv, q, k, v, 1.0 if scale is None else scale, softcap, "eager", terms)
 
 
 def _skip_full_slices(x: torch.fx.Node) -> torch.fx.Node:
@@ -219,8 +283,20 @@ class AttentionToPaged(Pass):
                 f"no SDPA or softmax(QKᵀ·scale+mask)·V pattern matched in: {missing or sorted(set(by_module) - set(expected))}"
             )
         graph = gm.graph
+        evaluator = SubgraphEvaluator(gm, min(PROBE_LEN, max(2, info.max_model_len)), info.device)
+        alibi_layers = 0
         for layer, path in enumerate(expected):
             site = by_module[path]
+            slopes = None
+            if site.bias_terms:
+                try:
+                    bias = additive_bias(evaluator, [(n, c, info.num_heads) for n, c in site.bias_terms])
+                except PassError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    raise PassError(f"{path}: could not evaluate the terms added to the attention scores on a "
+                                    f"probe ({type(e).__name__}: {e}); cannot tell a mask from a position bias") from e
+                slopes = fit_alibi(bias, info.num_heads, path) if bias is not None else None
             k = _strip_repeat_kv(site.k, info.num_kv_heads)
             v = _strip_repeat_kv(site.v, info.num_kv_heads)
             for name, t in (("key", k), ("value", v)):
@@ -244,11 +320,19 @@ class AttentionToPaged(Pass):
                 for t in (site.q, k, v):
                     tt = add_call(graph, aten.transpose.int, (t, 1, 2), like=site.output)
                     flat.append(add_call(graph, aten.squeeze.dim, (tt, 0), like=site.output))
-                out = add_call(graph, torch.ops.devin.paged_attention.default,
-                               (*flat, layer, float(scale), float(site.softcap), window), like=site.output)
+                args = (*flat, layer, float(scale), float(site.softcap), window)
+                if slopes is not None:  # ALiBi: per-head slopes, a constant of the graph
+                    gm.register_buffer(f"alibi_slopes_{layer}", slopes.to(info.device))
+                    attr = graph.get_attr(f"alibi_slopes_{layer}")
+                    mode = detect_fake_mode([fake_value(site.q)])
+                    attr.meta["val"] = mode.from_tensor(gm.get_buffer(f"alibi_slopes_{layer}")) if mode else None
+                    args = (*args, attr)
+                    alibi_layers += 1
+                out = add_call(graph, torch.ops.devin.paged_attention.default, args, like=site.output)
                 out4 = add_call(graph, aten.unsqueeze.default, (out, 0), like=site.output)
                 result = add_call(graph, aten.transpose.int, (out4, 1, 2), like=site.output)
             site.output.replace_all_uses_with(result)
         eliminate_dead_code(gm)
+        alibi = f", ALiBi slopes on {alibi_layers}" if alibi_layers else ""
         return PassResult(matches=len(expected),
-                          note=f"{len(expected)} layers; {node_delta(gm, before)} (mask subgraph dead)")
+                          note=f"{len(expected)} layers{alibi}; {node_delta(gm, before)} (mask/bias subgraph dead)")

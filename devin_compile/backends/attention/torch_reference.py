@@ -1,7 +1,7 @@
 """Torch reference attention over the paged cache: plain math in float32, any device.
 
 It is the oracle every faster backend is tested against, and it serves every call
-(GQA, soft-capping, sliding windows, mixed prefill/decode batches).
+(GQA, soft-capping, sliding windows, ALiBi, mixed prefill/decode batches).
 """
 from __future__ import annotations
 
@@ -23,9 +23,17 @@ def visible_mask(q_len: int, kv_len: int, sliding_window: int, device: torch.dev
     return mask
 
 
+def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[Hq, q_len, kv_len] float32: ``slope_h · (j − p_i)`` for query i at slot p_i = kv_len − q_len + i."""
+    qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    kpos = torch.arange(kv_len, device=device)[None, :]
+    return slopes.float().to(device)[:, None, None] * (kpos - qpos).float()
+
+
 def reference_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     *, scale: float, softcap: float = 0.0, sliding_window: int = -1, mass_out: dict | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's cached tokens (already written).
 
@@ -50,6 +58,8 @@ def reference_paged_attention(
         scores = torch.einsum("qhgd,khd->hgqk", qq, kk) * scale
         if softcap > 0:
             scores = torch.tanh(scores / softcap) * softcap
+        if alibi_slopes is not None:  # after the soft-cap, as the bias is added to the capped scores
+            scores = scores + alibi_bias(alibi_slopes, q_len, kv_len, q.device).view(Hkv, G, q_len, kv_len)
         mask = visible_mask(q_len, kv_len, sliding_window, q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -70,10 +80,10 @@ class TorchReferenceBackend:
     def supports(self, **_: object) -> bool:
         return True
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
+    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None):
         write_kv(k, v, k_cache, v_cache, meta)
         return reference_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
-                                         sliding_window=sliding_window)
+                                         sliding_window=sliding_window, alibi_slopes=alibi_slopes)
 
     def forward_with_scores(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, rows):
         """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]})."""

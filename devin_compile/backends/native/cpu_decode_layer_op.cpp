@@ -137,11 +137,14 @@ int64_t cpu_decode_step_pop() {
 }
 
 using AttentionSignature = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t, double,
-                                      double, int64_t);
+                                      double, int64_t, const std::optional<at::Tensor> &);
 
 at::Tensor paged_attention_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t layer,
-                               double scale, double softcap, int64_t sliding_window) {
-    if (!steps.empty() && steps.back().pool.defined() && softcap <= 0 && sliding_window <= 0) {
+                               double scale, double softcap, int64_t sliding_window,
+                               const std::optional<at::Tensor> &alibi_slopes) {
+    // ALiBi calls (alibi_slopes given) go to the Python kernel, which applies the bias
+    if (!steps.empty() && steps.back().pool.defined() && softcap <= 0 && sliding_window <= 0 &&
+        !alibi_slopes.has_value()) {
         DecodeStep &s = steps.back();
         if (layer >= 0 && layer < s.pool.size(0)) {
             const at::Tensor layer_pool = s.pool.select(0, layer);
@@ -155,7 +158,7 @@ at::Tensor paged_attention_cpu(const at::Tensor &q, const at::Tensor &k, const a
     static auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("devin::paged_attention", "").typed<AttentionSignature>();
     return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), q, k, v, layer, scale,
-                         softcap, sliding_window);
+                         softcap, sliding_window, alibi_slopes);
 }
 
 }  // namespace
