@@ -40,7 +40,8 @@ HALF = (torch.float16, torch.bfloat16)
 # Stand-ins
 # ----------------------------------------------------------------------------------------
 
-def _fa_math(q: torch.Tensor, k_cache, v_cache, table_row, kv_len: int, *, scale, causal, window, softcap):
+def _fa_math(q: torch.Tensor, k_cache, v_cache, table_row, kv_len: int, *, scale, causal, window, softcap,
+             alibi=None):
     """Documented FA semantics for one batch row. q [Sq, Hq, D] -> [Sq, Hq, Dv] float32."""
     Sq, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -62,6 +63,8 @@ def _fa_math(q: torch.Tensor, k_cache, v_cache, table_row, kv_len: int, *, scale
         right = 0
     i = torch.arange(Sq)[:, None] + (kv_len - Sq)  # bottom-right alignment
     j = torch.arange(kv_len)[None, :]
+    if alibi is not None:  # FA2: "-alibi_slope * |i + seqlen_k - seqlen_q - j|" added to the scores
+        s = s - alibi.float().reshape(Hkv, G, 1, 1) * (i - j).abs().float()
     mask = torch.ones((Sq, kv_len), dtype=torch.bool)
     if left >= 0:
         mask &= j >= i - left
@@ -106,7 +109,10 @@ def make_fa2_stand_in():
         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
         rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
     ):
-        assert rotary_cos is None and rotary_sin is None and alibi_slopes is None
+        assert rotary_cos is None and rotary_sin is None
+        if alibi_slopes is not None:
+            assert alibi_slopes.dtype == torch.float32 and alibi_slopes.shape == (q.shape[2],), \
+                "alibi_slopes must be fp32 (nheads,)"
         assert cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx"
         assert cache_leftpad is None
         assert q.dim() == 4, "FA2 q is (batch_size, seqlen, nheads, headdim)"
@@ -118,7 +124,7 @@ def make_fa2_stand_in():
         calls.append({"q_shape": tuple(q.shape)})
         out = torch.stack([
             _fa_math(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]), scale=softmax_scale,
-                     causal=causal, window=window_size, softcap=softcap)
+                     causal=causal, window=window_size, softcap=softcap, alibi=alibi_slopes)
             for b in range(B)
         ]).to(q.dtype)
         return (out, None) if return_softmax_lse else out
@@ -245,6 +251,8 @@ def run_against_reference(backend, spec):
     q, k, v, k_cache, v_cache, meta = build_case(spec)
     scale = spec["head_dim"] ** -0.5
     kw = dict(scale=scale, softcap=spec["softcap"], sliding_window=spec["window"])
+    if spec.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(q.shape[1], generator=torch.Generator().manual_seed(spec["seed"])) * 0.5
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     want = TorchReferenceBackend().forward(q, k, v, kc_ref, vc_ref, meta, **kw)
     got = backend.forward(q, k, v, k_cache, v_cache, meta, **kw)
@@ -282,6 +290,23 @@ def test_fa3_adapter_matches_reference(spec):
         assert call == {"q_shape": (meta.num_seqs, 1, call["q_shape"][2], call["q_shape"][3]), "varlen": False}
     else:
         assert call["varlen"] and call["q_shape"][0] == sum(meta.query_lens_host)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch_specs(block_sizes=[256], max_ctx=600, max_q=20, head_dims=[8, 32]))
+def test_fa2_adapter_alibi_matches_reference(spec):
+    """ALiBi slopes reach FA2's ``alibi_slopes`` and give the reference's slope·(key − query) bias."""
+    stand_in = make_fa2_stand_in()
+    backend = FlashAttn2Backend(fn=stand_in)
+    assert backend.supports(dtype=torch.float16, head_dim=32, softcap=0.0, sliding_window=-1, alibi=True)
+    run_against_reference(backend, dict(spec, alibi=True))
+
+
+def test_fa3_declines_alibi():
+    """FA3 has no ALiBi: the call is declined (it then runs on the torch reference)."""
+    backend = FlashAttn3Backend(fn=make_fa3_stand_in())
+    assert backend.supports(dtype=torch.float16, head_dim=32, softcap=0.0, sliding_window=-1)
+    assert not backend.supports(dtype=torch.float16, head_dim=32, softcap=0.0, sliding_window=-1, alibi=True)
 
 
 @settings(max_examples=10, deadline=None)

@@ -12,8 +12,8 @@ prune (see ``ops/kv_prune.py`` and ``runtime/kv_prune.py``); with no pruning seq
 step it returns at once. In the prefill graph it acts only for requests with
 ``prefill_window > 0`` whose prompt completes in the step (their last ``prefill_window``
 queries score the prompt, which is then pruned once). Invariants: exactly one node per
-attention layer in each graph (else ``PassError``); the graphs' outputs are unchanged. Sliding-window layers are refused: their
-window is counted in slots, which stop being positions once a sequence is compacted.
+attention layer in each graph (else ``PassError``); the graphs' outputs are unchanged. Sliding-window and ALiBi layers are refused:
+their window / bias is counted in slots, which stop being positions once a sequence is compacted.
 Enabled by ``optimize(kv_prune=...)`` (or inside ``enable_kv_pruning``).
 """
 from __future__ import annotations
@@ -55,6 +55,10 @@ class InsertKVPrune(Pass):
             if window is not None and window > 0:
                 raise PassError(f"insert_kv_prune: layer {layer} uses a sliding window of {window} tokens; KV pruning "
                                 "supports full-attention layers only (drop kv_prune= for this model)")
+            alibi = node.args[7] if len(node.args) > 7 else node.kwargs.get("alibi_slopes")
+            if alibi is not None:
+                raise PassError(f"insert_kv_prune: layer {layer} uses ALiBi, whose bias is counted in slots, which stop "
+                                "being positions once KV pruning compacts a sequence (drop kv_prune= for this model)")
             with graph.inserting_after(node):
                 new = graph.call_function(target, (q, node, layer, float(scale), float(softcap)))
             new.meta["val"] = None

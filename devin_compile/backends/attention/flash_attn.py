@@ -47,7 +47,7 @@ cache's page size): with it, FA2 declines block sizes that are not a multiple of
 :attr:`FlashAttn2Backend.block_size_multiple` (256). ``forward`` raises a
 ``ValueError`` naming the required block size if it is handed such a cache anyway.
 fp32 (no FA kernel), head dims above 256 and, for FA3, head dims that are not a multiple
-of 8 are declined. Known FA3 build flags (``flash_attn_config``) that disable
+of 8 are declined, and so are ALiBi calls where the library has no ``alibi_slopes`` (FA3). Known FA3 build flags (``flash_attn_config``) that disable
 soft-capping, local attention or fp16 are honoured too.
 
 The library function is resolved lazily (importing this module never imports
@@ -148,10 +148,13 @@ def _unwrap(out: Any) -> torch.Tensor:
 def fa2_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, *, scale: float, softcap: float, sliding_window: int, fn: FlashFn,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v into the cache, then attend with FA2's ``flash_attn_with_kvcache`` (``fn``).
 
     q: [T, Hq, D], k/v: [T, Hkv, D], caches [num_blocks, block_size, Hkv, D]; returns [T, Hq, Dv].
+    ``alibi_slopes`` [Hq] goes to FA2's own ``alibi_slopes`` (fp32): its bias
+    ``-slope·|i + seqlen_k − seqlen_q − j|`` is ``slope·(j − qpos)`` on the causal keys, as ours.
     """
     _check_inputs(q, k_cache, v_cache, "FlashAttention-2")
     block_size = k_cache.shape[1]
@@ -166,12 +169,14 @@ def fa2_forward(
     if total == 0 or meta.num_seqs == 0:
         return q.new_zeros((q.shape[0], Hq, Dv))
 
+    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes.to(q.device, torch.float32).contiguous()}
+
     def call(q4: torch.Tensor) -> Any:
         return fn(
             q4, k_cache, v_cache, k=None, v=None,
             cache_seqlens=meta.seq_lens, block_table=meta.block_tables,
             softmax_scale=scale, causal=True, window_size=window_size_for(sliding_window),
-            softcap=float(softcap),
+            softcap=float(softcap), **extra,
         )
 
     if _is_decode(meta, total):
@@ -256,6 +261,10 @@ class _FlashAttnBackend:
     def _capability_ok(self, major: int, minor: int) -> bool:
         raise NotImplementedError
 
+    def _takes_alibi(self) -> bool:
+        """Whether the library call applies ALiBi slopes (FA2: ``alibi_slopes``; FA3 has none)."""
+        return False
+
     def _build_usable(self) -> bool:
         return True
 
@@ -273,7 +282,9 @@ class _FlashAttnBackend:
         return self._resolve() is not None and self._build_usable()
 
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None) -> bool:
+                 block_size: int | None = None, alibi: bool = False) -> bool:
+        if alibi and not self._takes_alibi():
+            return False
         if dtype not in _HALF_DTYPES or head_dim > _MAX_HEAD_DIM:
             return False
         if block_size is not None and block_size % self.block_size_multiple:
@@ -293,9 +304,13 @@ class FlashAttn2Backend(_FlashAttnBackend):
     def _capability_ok(self, major: int, minor: int) -> bool:
         return (major, minor) >= (8, 0)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
+    def _takes_alibi(self) -> bool:
+        fn = self._resolve()
+        return fn is not None and _accepts(fn, "alibi_slopes")
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None):
         return fa2_forward(q, k, v, k_cache, v_cache, meta, scale=scale, softcap=softcap,
-                           sliding_window=sliding_window, fn=self._library())
+                           sliding_window=sliding_window, fn=self._library(), alibi_slopes=alibi_slopes)
 
 
 class FlashAttn3Backend(_FlashAttnBackend):
@@ -326,9 +341,9 @@ class FlashAttn3Backend(_FlashAttnBackend):
         return not (flags.get("FLASHATTENTION_DISABLE_PAGEDKV") or flags.get("FLASHATTENTION_DISABLE_VARLEN"))
 
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None) -> bool:
+                 block_size: int | None = None, alibi: bool = False) -> bool:
         if not super().supports(dtype=dtype, head_dim=head_dim, softcap=softcap,
-                                sliding_window=sliding_window, block_size=block_size):
+                                sliding_window=sliding_window, block_size=block_size, alibi=alibi):
             return False
         if head_dim % 8:  # "head_size should be a multiple of 8" (hopper/flash_api.cpp)
             return False

@@ -30,7 +30,8 @@ Semantics (identical to :func:`torch_reference.reference_paged_attention`): quer
 ``i`` of a sequence with ``q_len`` new tokens and ``kv_len = seq_lens[b]`` cached tokens
 (after this step's write) sits at slot ``qpos = kv_len - q_len + i`` and sees slots
 ``j <= qpos`` (and ``j > qpos - sliding_window`` when ``sliding_window > 0``). Scores
-are ``q.k * scale``, soft-capped as ``tanh(s / softcap) * softcap`` when ``softcap > 0``.
+are ``q.k * scale``, soft-capped as ``tanh(s / softcap) * softcap`` when ``softcap > 0``,
+plus ``alibi_slopes[h] * (j - qpos)`` when ALiBi slopes are given.
 Accumulation is fp32; the output has q's dtype. fp32 inputs use IEEE (not TF32) dots;
 fp16/bf16 inputs use half-precision dots with fp32 accumulation (under the interpreter,
 whose bf16 dot is broken, bf16 operands are upcast to fp32 instead).
@@ -98,7 +99,7 @@ def _kv_write_kernel(
 
 
 def _paged_attn_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr, alibi_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale, softcap, sliding_window,
     stride_qt, stride_qh, stride_qd,
@@ -112,7 +113,7 @@ def _paged_attn_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     seq = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -156,6 +157,8 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # log2(e): softmax in base 2
+    if HAS_ALIBI:  # per-row slope, in the kernel's base-2 units
+        slope = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_btb
     for start in range(lo, hi, BLOCK_N):
@@ -176,6 +179,8 @@ def _paged_attn_kernel(
             s = (2.0 * tl.sigmoid((2.0 * scale / softcap) * s) - 1.0) * (softcap * 1.4426950408889634)
         else:
             s = s * qk_scale
+        if HAS_ALIBI:  # + slope_h * (key slot - query slot)
+            s = s + slope[:, None] * (j[None, :] - qpos[:, None]).to(tl.float32)
 
         visible = (j[None, :] <= qpos[:, None]) & j_ok[None, :]
         if HAS_WINDOW:
@@ -252,7 +257,8 @@ def triton_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, *, scale: float, softcap: float = 0.0,
-                           sliding_window: int = -1, lse: torch.Tensor | None = None) -> torch.Tensor:
+                           sliding_window: int = -1, lse: torch.Tensor | None = None,
+                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the (already written) paged cache; [T, Hq, Dv] in q's dtype.
 
     With ``lse`` (float32 [T, Hq]) also stores each row's log2-sum-exp2 of its scores (in the
@@ -274,8 +280,9 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bt = meta.block_tables
     _, attn = _kernels()
     lse_t = lse if lse is not None else out
+    slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous() if alibi_slopes is not None else out
     attn[grid](
-        q, k_cache, v_cache, out, lse_t,
+        q, k_cache, v_cache, out, lse_t, slopes,
         bt, meta.seq_lens, meta.query_start_loc,
         float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window),
         *q.stride(), *out.stride(), lse_t.stride(0), lse_t.stride(1),
@@ -287,7 +294,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # fp32 inputs: IEEE fp32 dots (no TF32). The interpreter's bf16 dot is broken (it multiplies
         # the raw bits), so there bf16 operands are upcast and use the same fp32 path.
         IEEE_DOT=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
-        STORE_LSE=lse is not None,
+        STORE_LSE=lse is not None, HAS_ALIBI=alibi_slopes is not None,
         num_warps=num_warps, **({} if interp else {"num_stages": 2}),
     )
     return out
@@ -306,14 +313,14 @@ class TritonPagedBackend:
         return device.type == "cpu" and interpreting()
 
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None) -> bool:
+                 block_size: int | None = None, alibi: bool = False) -> bool:
         # Any block_size works: kv positions are mapped to pages one by one, not per tile.
         return HAVE_TRITON and dtype in _SUPPORTED_DTYPES and 0 < head_dim <= _MAX_HEAD_DIM
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
+    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None):
         triton_write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return triton_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window, alibi_slopes=alibi_slopes)
 
     def forward_with_scores(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, rows):
         """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]}), from the
