@@ -59,7 +59,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     probe = make_probe(info, info.device) if config.verify else None
     report = PassManager(default_passes(config, info, offload_roles, quant), dump_dir=config.dump_dir,
                          probe=probe).run(program, ctx)
-    spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, config.cache.block_size)
+    spec = KVCacheSpec(info.num_layers, dtype=info.dtype, block_size=config.cache.block_size, **info.kv_cache_layout)
     nblocks = blocks_for_budget(spec, info.device, num_blocks=config.cache.num_blocks,
                                 memory_bytes=config.cache.memory_bytes, memory_fraction=config.cache.memory_fraction)
     cache = PagedKVCache(spec, nblocks, info.device)

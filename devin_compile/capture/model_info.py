@@ -26,6 +26,16 @@ class ModelInfo:
     eos_token_ids: list[int]
     attention_modules: list[str] = field(default_factory=list)  # graph-qualified names, in layer order
     sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module → window (if any)
+    # Multi-head latent attention (DeepSeek-V2/V3): (kv_lora_rank, qk_rope_head_dim). The paged cache
+    # then holds one latent plane of kv_lora_rank + qk_rope_head_dim values per token and layer.
+    mla: tuple[int, int] | None = None
+
+    @property
+    def kv_cache_layout(self) -> dict:
+        """The paged cache's per-token layout (``KVCacheSpec`` keywords): heads, head size, planes."""
+        if self.mla is not None:
+            return dict(num_kv_heads=1, head_dim=sum(self.mla), planes=1)
+        return dict(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, planes=2)
 
 
 def _eos_ids(model) -> list[int]:
@@ -64,6 +74,14 @@ def _module_kv_heads(attn: list[tuple[str, torch.nn.Module]], heads: int) -> int
             if isinstance(g, int) and g > 0 and heads % g == 0:
                 found.add(heads // g)
     return found.pop() if len(found) == 1 else None
+
+
+def _mla_dims(text_cfg) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) for a multi-head latent attention config, else None."""
+    dims = [getattr(text_cfg, k, None) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")]
+    if all(isinstance(d, int) and d > 0 for d in dims):
+        return dims[0], dims[1]
+    return None
 
 
 def model_info(model: torch.nn.Module) -> ModelInfo:
@@ -107,4 +125,5 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
         eos_token_ids=_eos_ids(model),
         attention_modules=["m." + n for n, _ in attn],
         sliding_windows={"m." + n: w for n, w in sliding_windows(model, text_cfg, attn).items()},
+        mla=_mla_dims(text_cfg),
     )

@@ -7,7 +7,7 @@ MPT: a ``max_seq_len``-long table sliced to T; Falcon ``alibi=True``: the bias f
 float mask), so instead of matching each construction, the terms' subgraph is *evaluated* on
 a probe of ``PROBE_LEN`` tokens (positions 0..P-1) and the sum read back:
 
-- 0 on every visible entry (j <= i), up to a per-row constant: a plain mask, nothing to keep;
+- 0 on every visible entry (j <= i and not masked out), up to a per-row constant: a plain mask, nothing to keep;
 - ``c_i + slope_h · (j - i)`` on the visible entries: ALiBi with the least-squares slopes;
 - anything else: :class:`PassError` naming the layer (a bias the paged runtime cannot apply).
 
@@ -81,9 +81,12 @@ def fit_alibi(bias: torch.Tensor, num_heads: int, where: str) -> torch.Tensor | 
     [num_heads] (float32) if it is ALiBi, None if it is a plain mask; else :class:`PassError`."""
     P = bias.shape[-1]
     b = bias.double()
-    vis = torch.ones(P, P, dtype=torch.bool).tril()
+    # visible: causal and not masked out (masks use -inf or the dtype's min; windows hide old keys)
+    vis = torch.ones(P, P, dtype=torch.bool).tril() & (b > -1e30)
+    if not bool(torch.diagonal(vis, dim1=-2, dim2=-1).all()):
+        raise PassError(f"{where}: the terms added to the attention scores hide a token from itself; cannot serve them")
     rel = b - torch.diagonal(b, dim1=-2, dim2=-1)[..., :, None]  # minus each row's own (diagonal) entry
-    d = (torch.arange(P)[None, :] - torch.arange(P)[:, None]).double()  # j - i
+    d = (torch.arange(P)[None, :] - torch.arange(P)[:, None]).double().expand_as(b)  # j - i
     rel = torch.where(vis, rel, torch.zeros((), dtype=b.dtype))
     if not torch.isfinite(rel).all():
         raise PassError(f"{where}: the attention bias is not finite on visible keys; cannot serve it")
@@ -92,7 +95,7 @@ def fit_alibi(bias: torch.Tensor, num_heads: int, where: str) -> torch.Tensor | 
     if float(rel.abs().max()) <= tol:
         return None
     dv = torch.where(vis, d, torch.zeros((), dtype=d.dtype))
-    slopes = (rel * dv).sum((-2, -1)) / (dv * dv).sum()
+    slopes = (rel * dv).sum((-2, -1)) / (dv * dv).sum((-2, -1)).clamp_min(1.0)
     resid = float((rel - slopes[:, None, None] * dv).abs().max())
     if resid > tol:
         raise PassError(

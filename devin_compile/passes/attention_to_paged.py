@@ -47,6 +47,7 @@ from ..graph_utils import RESHAPES, add_call, counted_nodes, fake_value, is_call
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from .alibi_bias import PROBE_LEN, SubgraphEvaluator, additive_bias, fit_alibi
 from .dead_code import eliminate_dead_code
+from .mla_rewrite import drop_dead_copies, rewrite_mla_site
 
 aten = torch.ops.aten
 
@@ -285,6 +286,7 @@ class AttentionToPaged(Pass):
         graph = gm.graph
         evaluator = SubgraphEvaluator(gm, min(PROBE_LEN, max(2, info.max_model_len)), info.device)
         alibi_layers = 0
+        mla_copies: list = []
         for layer, path in enumerate(expected):
             site = by_module[path]
             slopes = None
@@ -299,6 +301,14 @@ class AttentionToPaged(Pass):
                 slopes = fit_alibi(bias, info.num_heads, path) if bias is not None else None
             k = _strip_repeat_kv(site.k, info.num_kv_heads)
             v = _strip_repeat_kv(site.v, info.num_kv_heads)
+            if info.mla is not None:  # multi-head latent attention: the cache holds latents (mla_rewrite.py)
+                if slopes is not None or site.softcap:
+                    raise PassError(f"{path}: multi-head latent attention with ALiBi or a soft-cap is unsupported")
+                site.k, site.v = k, v
+                head_dim = node_shape(site.q)[-1]
+                scale = site.scale if site.scale is not None else 1.0 / math.sqrt(head_dim)
+                mla_copies += rewrite_mla_site(gm, site, layer, scale, info, path)
+                continue
             for name, t in (("key", k), ("value", v)):
                 shape = node_shape(t)
                 if shape is not None and shape[1] != info.num_kv_heads:
@@ -333,6 +343,10 @@ class AttentionToPaged(Pass):
                 result = add_call(graph, aten.transpose.int, (out4, 1, 2), like=site.output)
             site.output.replace_all_uses_with(result)
         eliminate_dead_code(gm)
+        if mla_copies:  # the expanded keys' in-place fills: dead now, but DCE keeps in-place ops
+            drop_dead_copies(gm, mla_copies)
+            eliminate_dead_code(gm)
         alibi = f", ALiBi slopes on {alibi_layers}" if alibi_layers else ""
+        alibi += ", multi-head latent attention (latent KV cache)" if info.mla is not None else ""
         return PassResult(matches=len(expected),
                           note=f"{len(expected)} layers{alibi}; {node_delta(gm, before)} (mask/bias subgraph dead)")

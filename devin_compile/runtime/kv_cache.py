@@ -4,6 +4,9 @@ Layout: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_
 layer ``l``'s key cache is ``data[l, 0]`` and value cache ``data[l, 1]``, each
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the paged layout FlashAttention's
 ``flash_attn_with_kvcache`` takes). A flat slot index is ``block * block_size + offset``.
+With ``KVCacheSpec.planes == 1`` (multi-head latent attention) there is one plane per layer,
+``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``: each token's compressed
+latent and rotary key, and :meth:`PagedKVCache.layer` gives ``(latent_cache, None)``.
 
 Invariants kept by :class:`BlockAllocator`: every block is either free or owned
 (reference count >= 1); ``num_free + num_used == num_blocks``; freeing a block that
@@ -40,10 +43,11 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    planes: int = 2  # 2: key and value caches; 1: one latent cache (MLA)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_per_block(self) -> int:
@@ -87,9 +91,10 @@ class PagedKVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, spec.planes, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.data = _zeros(shape, spec.dtype, self.device)
-        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(spec.num_layers)]
+        self._layers = [(self.data[i, 0], self.data[i, 1] if spec.planes > 1 else None)
+                        for i in range(spec.num_layers)]
 
     @property
     def block_size(self) -> int:
@@ -124,7 +129,7 @@ class PagedKVCache:
 
     def _flat(self) -> torch.Tensor:
         d = self.data
-        return d.view(d.shape[0], 2, -1, *d.shape[4:])  # [layers, 2, blocks * block_size, Hkv, D]
+        return d.view(d.shape[0], d.shape[1], -1, *d.shape[4:])  # [layers, planes, blocks * block_size, Hkv, D]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -32,7 +32,7 @@ def scratch_step(info: ModelInfo, device: torch.device | str, query_lens: Sequen
     that holds exactly their blocks, laid out one sequence after another. ``backend``:
     the attention backend (default: the registry's pick for ``device``)."""
     dev = torch.device(device)
-    spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, block_size)
+    spec = KVCacheSpec(info.num_layers, dtype=info.dtype, block_size=block_size, **info.kv_cache_layout)
     tables, slots, next_block = [], [], 0
     for n in query_lens:
         blocks = list(range(next_block, next_block + (n + block_size - 1) // block_size))

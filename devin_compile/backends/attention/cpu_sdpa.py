@@ -214,7 +214,7 @@ def _native_plan(ctx):
     pool = getattr(ctx.kv_cache, "data", None)
     if (not isinstance(ctx.backend, CpuSdpaBackend) or meta.num_seqs == 0
             or not all(n == 1 for n in meta.query_lens_host) or (step is not None and step.side_output)
-            or pool is None or pool.device.type != "cpu" or pool.dim() != 6
+            or pool is None or pool.device.type != "cpu" or pool.dim() != 6 or pool.shape[1] != 2
             or pool.dtype not in cpu_paged_decode._DTYPES or pool.stride(-1) != 1):
         return None
     return (pool, *_kernel_plan(meta, list(range(meta.num_seqs)), pool.device))
