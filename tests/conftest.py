@@ -77,6 +77,11 @@ def _f(name, model_type=None, *, gqa=True, **kw) -> Family:
     return Family(name, model_type or name, config, **kw)
 
 
+# DeepSeek MLA shape ratios kept (qk_nope = 2·qk_rope, v = qk_nope, rank = 4·qk_rope), scaled down.
+_MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
+            n_group=1, topk_group=1, num_key_value_heads=4)
+
 # Families that compile and must match HF. Comments name what each one exercises.
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     # --- the core six: full battery, both attention implementations
@@ -114,6 +119,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     _f("bloom", gqa=False, impls=("eager",)),  # baddbmm(alibi, q, kᵀ) over [B·H, T, D], bmm with v
     _f("mpt", gqa=False, impls=("eager",), config=dict(d_model=64, n_heads=4, n_layers=2)),  # sliced table
     _f("falcon_alibi", "falcon", gqa=False, config=dict(alibi=True, multi_query=False)),  # bias in the mask
+    # --- multi-head latent attention: the paged cache holds latents (kv_lora_rank + qk_rope_head_dim)
+    _f("deepseek_v3", gqa=False, config=_MLA),  # q LoRA, new_empty + copy_ key expansion, MoE after layer 0
+    _f("deepseek_v2", gqa=False, config=dict(_MLA, q_lora_rank=None)),  # plain q_proj
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
@@ -122,11 +130,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                                 layer_types=["sliding_attention", "full_attention"], **_GQA),
                 "eager", "PassError", r"no SDPA or softmax", "attention sinks: extra logit column in the softmax"),
-    "deepseek_v3": ("deepseek_v3", dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
-                                        first_k_dense_replace=1, moe_intermediate_size=32, n_group=1,
-                                        topk_group=1, num_key_value_heads=4),
-                    "sdpa", "PassError", r"head_dim", "multi-head latent attention: K/V head size != config.head_dim"),
     "llama4_text": ("llama4_text", dict(attention_chunk_size=8192, num_local_experts=2, num_experts_per_tok=1,
                                         intermediate_size_mlp=128, head_dim=16, interleave_moe_layer_step=1, **_GQA),
                     "sdpa", "UnsupportedModelError", r"neither causal nor a causal sliding window",

@@ -20,15 +20,14 @@ attention implementation HF offers for it ("sdpa", "eager"):
    max_num_batched_tokens=16``, so prompts are prefilled in chunks over cached context
    and decode steps mix with prefill chunks;
 4. what capture found: per-layer sliding windows and KV heads, and one
-   ``devin::paged_attention`` per layer with no softmax/SDPA left inside an attention
+   ``devin::paged_attention`` (``devin::mla_attention`` for DeepSeek's latent attention) per layer with no softmax/SDPA left inside an attention
    module (MoE routers keep theirs).
 
 Eager-attention models run on ``attention_backend="torch_reference"``; SDPA models on
 the default backend (on CPU: ``cpu_sdpa``, which hands soft-capped calls to the
 reference); the chunked runs swap the two. Families HF or the compiler cannot serve are
 in ``conftest.UNSUPPORTED`` and must fail with a clear ``UnsupportedModelError`` or
-``PassError`` naming the construct, never compile silently (ALiBi, attention sinks,
-multi-head latent attention, chunked attention, Falcon's new-architecture GQA layout before
+``PassError`` naming the construct, never compile silently (attention sinks, chunked attention, Falcon's new-architecture GQA layout before
 transformers 5.25 (from 5.25 it is a family like the others), state-space models; see ``conftest.UNSUPPORTED`` for the reason of each). Families
 for which HF itself has no SDPA path (Gemma 2) run eager only, and a test checks HF
 really refuses SDPA for them. The module takes about 2 minutes on 2 CPU cores, most of
@@ -106,7 +105,8 @@ def test_capture_facts(case, compiled):
     assert tuple(opt.info.sliding_windows[m] for m in opt.info.attention_modules) == fam.windows
     assert opt.info.num_kv_heads == fam.kv_heads
     nodes = [n for g in opt.program.graphs.values() for n in g.graph.nodes if n.op == "call_function"]
-    paged = [n for n in nodes if n.target == torch.ops.devin.paged_attention.default]
+    core = torch.ops.devin.mla_attention.default if opt.info.mla else torch.ops.devin.paged_attention.default
+    paged = [n for n in nodes if n.target == core]
     assert len(paged) == opt.info.num_layers * len(opt.program.graphs)
     # No attention core may survive inside an attention module (MoE routers keep their softmax).
     cores = (torch.ops.aten.softmax.int, torch.ops.aten._softmax.default,

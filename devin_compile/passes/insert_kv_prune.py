@@ -47,6 +47,9 @@ class InsertKVPrune(Pass):
         target = torch.ops.devin.kv_prune.default
         if any(is_call(n, target) for n in graph.nodes):
             raise PassError(f"insert_kv_prune: the {phase} graph already has devin::kv_prune nodes")
+        if any(is_call(n, torch.ops.devin.mla_attention.default) for n in graph.nodes):
+            raise PassError("insert_kv_prune: KV pruning scores per-head keys, but this model's cache holds "
+                            "multi-head latent attention latents; drop kv_prune= for this model")
         layers = []
         for node in [n for n in graph.nodes if is_call(n, torch.ops.devin.paged_attention.default)]:
             q, _k, _v, layer, scale = node.args[:5]
