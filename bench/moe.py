@@ -1,6 +1,6 @@
 """MoE decode speed: devin-compile vs HF eager on a Mixtral-shaped random model (CPU).
 
-    python bench/moe.py [--dtype float32] [--repeats 3] [--new-tokens 24] [--prompt-len 64]
+    python bench/moe.py [--dtype float32] [--repeats 3] [--new-tokens 24] [--prompt-len 64] [--threads N]
 
 Model (random weights, seed 0; Mixtral's shape ratios at a size a 2-core CPU runs in seconds):
 ``MixtralConfig(hidden_size=512, intermediate_size=1792, num_hidden_layers=4, num_attention_heads=8,
@@ -12,7 +12,7 @@ For batch 1 and batch 16 (prompts of ``--prompt-len`` random tokens), each side 
 the whole generate - time of a 1-token generate), i.e. prefill excluded on both sides. HF eager:
 ``model.generate`` with its KV cache (batch of equal-length prompts, no padding) and the model's
 default experts implementation; devin-compile: ``optimize(model)`` on the default CPU backend.
-Medians of ``--repeats`` runs. Writes bench/results/moe.json.
+Medians of ``--repeats`` runs. Writes bench/results/moe.json (moe-<dtype>.json for other dtypes).
 """
 from __future__ import annotations
 
@@ -61,7 +61,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -104,7 +107,8 @@ def main() -> None:
         "model": {"config": CONFIG, "parameters": params}, "compile_s": compile_s,
         "repeats": args.repeats, "results": results,
     }
-    path = os.path.join(os.path.dirname(__file__), "results", "moe.json")
+    name = "moe.json" if args.dtype == "float32" else f"moe-{args.dtype}.json"
+    path = os.path.join(os.path.dirname(__file__), "results", name)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     print("wrote", path)
