@@ -107,8 +107,10 @@ class AttentionBackend(Protocol):
     def is_available(self, device: torch.device) -> bool: ...
 
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None) -> bool:
-        """False to decline one call (it then runs on the torch reference)."""
+                 block_size: int | None = None, alibi: bool = False) -> bool:
+        """False to decline one call (it then runs on the torch reference). ``alibi`` is passed only
+        for ALiBi calls, which then get ``forward(..., alibi_slopes=[Hq] float32)``: add
+        ``slope_h · (key slot − query slot)`` to every score."""
         ...
 
     def forward(
