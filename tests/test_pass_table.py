@@ -14,7 +14,8 @@ from devin_compile.capture import ModelInfo
 from devin_compile.config import OptimizeConfig
 from devin_compile.passes import (AssignPrecision, AttentionToPaged, Cleanup, CompileDecode, FuseAttentionInputs,
                                   FuseProjections, FuseRMSNorm, FuseRotary, FuseSiluMul, InsertKVPrune,
-                                  OffloadEmbeddings, PrepackLinear, SplitPhases, UpcastLinear, default_passes)
+                                  OffloadEmbeddings, PrepackExperts, PrepackLinear, SplitPhases, UpcastLinear,
+                                  default_passes)
 from devin_compile.passes.table import PASS_TABLE, STAGES, table_markdown
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 from devin_compile.quant.config import QuantConfig
@@ -43,6 +44,7 @@ def _if_chain(config, offload_roles=frozenset(), quant=None) -> list:
         passes.append(OffloadEmbeddings(offload_roles))
     if config.prepack_linear:
         passes.append(PrepackLinear())
+        passes.append(PrepackExperts())
     if config.upcast_linear:
         passes.append(UpcastLinear())
     passes.append(Cleanup())

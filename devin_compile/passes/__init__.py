@@ -15,6 +15,7 @@ from .fuse_rotary import FuseRotary
 from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
+from .prepack_experts import PrepackExperts
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
 from .table import PASS_TABLE, PassSpec, PipelineInputs, build_passes
@@ -29,5 +30,5 @@ def default_passes(config: OptimizeConfig, info=None, offload_roles: set[str] = 
 
 
 __all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
-           "InsertKVPrune", "OffloadEmbeddings", "PrepackLinear", "SplitPhases", "UpcastLinear",
+           "InsertKVPrune", "OffloadEmbeddings", "PrepackExperts", "PrepackLinear", "SplitPhases", "UpcastLinear",
            "PASS_TABLE", "PassSpec", "PipelineInputs", "build_passes", "default_passes"]

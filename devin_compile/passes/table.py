@@ -29,6 +29,7 @@ from .fuse_rotary import FuseRotary
 from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
+from .prepack_experts import PrepackExperts
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
 from .upcast_linear import UpcastLinear
@@ -103,6 +104,7 @@ PASS_TABLE: tuple[PassSpec, ...] = (
     PassSpec(OffloadEmbeddings, "placement", When(lambda i: bool(i.offload_roles), "offload_layers="),
              build=lambda i: OffloadEmbeddings(set(i.offload_roles))),
     PassSpec(PrepackLinear, "linear_kernels", ("prepack_linear",)),
+    PassSpec(PrepackExperts, "linear_kernels", ("prepack_linear",)),  # MoE experts are linears too
     PassSpec(UpcastLinear, "linear_kernels", ("upcast_linear",)),
     PassSpec(Cleanup, "cleanup"),
     # fuse_rotary's roll form, after cleanup's CSE has left one cos and one sin per step
