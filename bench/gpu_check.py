@@ -6,7 +6,8 @@ Checks, each reported as a row (ok / FAIL / skipped, with figures); one failing 
 does not stop the others:
 
 1. ``triton`` paged attention vs the torch reference on the GPU (decode, prefill, chunked
-   prefill, GQA, sliding window, soft-cap; fp16 and bf16).
+   prefill, GQA, sliding window, soft-cap, ALiBi; fp16 and bf16), and its KV-prune attention-mass
+   side output.
 2. FlashAttention-3 / FlashAttention-2 adapters vs the reference, if importable.
 3. The INT4 linear kernels vs the reference, if ``devin::int4_linear`` is present.
 4. SmolLM2 end to end on the GPU: greedy tokens vs HF eager (fp32), decode tok/s vs HF (bf16).
@@ -80,14 +81,18 @@ def _case(device, dtype, *, block_size=16, hkv=2, group=4, head_dim=128, seed=0)
         r(num_blocks, block_size, hkv, head_dim), r(num_blocks, block_size, hkv, head_dim)
 
 
-def _compare(backend_name, device, dtype, block_size=16, softcap=0.0, window=-1):
+def _compare(backend_name, device, dtype, block_size=16, softcap=0.0, window=-1, alibi=False):
     meta, q, k, v, kc, vc = _case(device, dtype, block_size=block_size)
     kr, vr = kc.clone(), vc.clone()
     write_kv(k, v, kr, vr, meta)
+    slopes = {}
+    if alibi:  # BLOOM's slopes for q's head count: 2^(-8(h+1)/H)
+        heads = q.shape[1]
+        slopes["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], device=device)
     ref = reference_paged_attention(q.float(), kr.float(), vr.float(), meta, scale=q.shape[-1] ** -0.5,
-                                    softcap=softcap, sliding_window=window)
+                                    softcap=softcap, sliding_window=window, **slopes)
     out = get_backend(backend_name).forward(q, k, v, kc, vc, meta, scale=q.shape[-1] ** -0.5, softcap=softcap,
-                                            sliding_window=window)
+                                            sliding_window=window, **slopes)
     torch.cuda.synchronize()
     assert torch.equal(kc, kr) and torch.equal(vc, vr), "cache write differs from the reference"
     err = (out.float() - ref).abs().max().item()
@@ -101,9 +106,30 @@ def triton_attention(device):
         return ("skip", "triton not installed")
     errs = {}
     for dtype in (torch.float16, torch.bfloat16):
-        for softcap, window in ((0.0, -1), (30.0, -1), (0.0, 64)):
-            errs[f"{dtype}-cap{softcap}-win{window}"] = _compare("triton", device, dtype, softcap=softcap, window=window)
+        for softcap, window, alibi in ((0.0, -1, False), (30.0, -1, False), (0.0, 64, False), (0.0, -1, True)):
+            errs[f"{dtype}-cap{softcap}-win{window}-alibi{alibi}"] = _compare("triton", device, dtype, softcap=softcap,
+                                                                             window=window, alibi=alibi)
     return f"max error {max(errs.values()):.2e} over {len(errs)} cases"
+
+
+@check("triton KV-prune attention mass (side output) vs reference")
+def triton_mass(device):
+    if importlib.util.find_spec("triton") is None:
+        return ("skip", "triton not installed")
+    worst = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        meta, q, k, v, kc, vc = _case(device, dtype)
+        rows = list(range(meta.num_seqs))
+        kw = dict(scale=q.shape[-1] ** -0.5, softcap=0.0, sliding_window=-1, rows=rows)
+        _, ref = get_backend("torch_reference").forward_with_scores(q.float(), k.float(), v.float(), kc.float(),
+                                                                   vc.float(), meta, **kw)
+        _, mass = get_backend("triton").forward_with_scores(q, k, v, kc, vc, meta, **kw)
+        torch.cuda.synchronize()
+        for b in rows:
+            err = (mass[b].float() - ref[b].float()).abs().max().item()
+            assert err < 2e-2, f"{dtype} row {b}: max mass error {err:.3e}"
+            worst = max(worst, err)
+    return f"max mass error {worst:.2e} (fp32 and bf16, decode + prefill rows)"
 
 
 @check("FlashAttention-3 / -2 adapters vs reference")
@@ -222,7 +248,7 @@ def main() -> None:
         sys.exit(2)
     device = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
-    for fn in (triton_attention, flash, int4, end_to_end, offload, cuda_graphs):
+    for fn in (triton_attention, triton_mass, flash, int4, end_to_end, offload, cuda_graphs):
         fn(device)
     print("\n| check | status | s | detail |\n|---|---|---:|---|")
     for r in ROWS:
