@@ -24,6 +24,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
+        if self.ids and self._decode(self.ids).endswith("\ufffd"):
+            self.ids = []  # the prompt ends mid-character: the new text starts its own bytes
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""  # everything emitted so far
