@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..runtime.async_engine import AsyncEngine
+from ..runtime.kv_prune import resolve_request as resolve_kv_prune
 from ..runtime.sampling import SamplingParams
 from .detokenizer import TextStream
 from .generation import Choice, Generation
@@ -168,8 +169,10 @@ class Server:
                 index = p * req.n + i
                 try:
                     params = SamplingParams(max_new_tokens=max_tokens, **req.sampling_kwargs(i))
+                    resolve_kv_prune(engine.kv_prune, params)  # does this model allow the request's kv_prune?
                 except ValueError as e:
-                    raise bad("kv_prune" if "kv_prune" in str(e) else None, str(e)) from None
+                    raise bad("kv_prune" if "kv_prune" in str(e).lower() or "pruning" in str(e) else None,
+                              str(e)) from None
                 out.append(Choice(index, ids, params, TextStream(self.tokenizer, ids, req.stop)))
         return out
 
