@@ -8,6 +8,7 @@ requests in flight finish for up to ``shutdown_timeout`` seconds, then cancels t
 """
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -45,7 +46,19 @@ def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, *, shutdown
     uv = uvicorn.Server(_config(server, shutdown_timeout, log_level))
     if on_ready is not None:
         _call_when_started(uv, lambda: on_ready(url))
-    uv.run(sockets=[sock])
+    # uvicorn handles SIGTERM/SIGINT while it runs, then re-raises the signal into the handlers it found
+    # installed: make those no-ops, so a graceful shutdown ends the process normally (exit 0)
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _ignore(sig, frame) -> None:
+    pass
 
 
 def _call_when_started(uv: uvicorn.Server, fn) -> None:
