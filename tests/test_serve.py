@@ -299,3 +299,62 @@ def test_load_with_a_third_disconnecting_mid_stream(refs, server):
     assert m["devin_kv_blocks_total"] == 512
     assert m["devin_generation_tokens_total"] > 0 and m["devin_time_to_first_token_seconds_count"] > 0
     assert re.search(r"devin_inter_token_latency_seconds_bucket", "\n".join(m))
+
+
+# ---------------------------------------------------------------- traces
+def test_request_span_has_genai_attributes_and_the_clients_trace_id(server, client):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from devin_compile.serve.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    server.tracing = Tracing(provider)
+    try:
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, stream=True,
+                                           extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+        assert list(r)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0)
+        with pytest.raises(BadRequestError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=9999)
+    finally:
+        server.tracing = None
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == [f"chat {MODEL}", f"text_completion {MODEL}", f"text_completion {MODEL}"]
+    chat, plain, refused = spans
+    assert format(chat.context.trace_id, "032x") == trace_id and format(chat.parent.span_id, "016x") == parent_id
+    assert plain.parent is None and plain.context.trace_id != chat.context.trace_id
+    a = chat.attributes
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == MODEL
+    assert a["gen_ai.request.max_tokens"] == 6 and a["gen_ai.request.stream"] is True
+    assert a["gen_ai.usage.input_tokens"] == len(server.opt.chat_ids(CHAT))
+    assert 1 <= a["gen_ai.usage.output_tokens"] <= 6 and a["http.response.status_code"] == 200
+    assert a["gen_ai.response.id"].startswith("chatcmpl-")
+    names = [e.name for e in chat.events]
+    assert names[0] == "scheduled" and "first_token" in names and names[-1] == "finished"
+    assert chat.start_time <= chat.events[0].timestamp <= chat.events[-1].timestamp <= chat.end_time
+    assert refused.attributes["http.response.status_code"] == 400 and not refused.status.is_ok
+
+
+def test_trace_file_gets_json_lines_and_tracing_is_off_by_default(server, client, tmp_path, monkeypatch):
+    from devin_compile.serve.tracing import make_tracing
+
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    assert make_tracing(None) is None and server.tracing is None
+    path = tmp_path / "spans.jsonl"
+    server.tracing = make_tracing(str(path))
+    try:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0, seed=4)
+    finally:
+        tracing, server.tracing = server.tracing, None
+        tracing.shutdown()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1
+    span = json.loads(lines[0])
+    assert span["name"] == f"text_completion {MODEL}" and span["attributes"]["gen_ai.request.seed"] == 4
+    assert span["attributes"]["gen_ai.usage.input_tokens"] == 1

@@ -63,6 +63,9 @@ def add_arguments(p) -> None:
     p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="S",
                    help="seconds in-flight requests get to finish after SIGTERM (default 30)")
     p.add_argument("--no-metrics", action="store_true", help="turn off the Prometheus metrics (/metrics answers 404)")
+    p.add_argument("--trace-file", metavar="FILE",
+                   help="write an OpenTelemetry span per request to FILE as JSON lines (traces are also exported by "
+                        "OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise tracing is off)")
     p.set_defaults(fn=main)
 
 
@@ -96,13 +99,19 @@ def model_name(args) -> str:
 
 def main(args) -> int:
     options = optimize_options(args)
+    if args.trace_file is not None:
+        folder = os.path.dirname(os.path.abspath(args.trace_file))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"--trace-file {args.trace_file}: folder {folder} does not exist")
     con = common.console()
     model, tok = common.load(args, con)
     opt = common.optimize(model, tok, con, **options)
     from ..serve.app import Server
     from ..serve.server import serve
+    from ..serve.tracing import make_tracing
 
-    server = Server(opt, model_name(args), max_queue=args.max_queue, metrics=not args.no_metrics)
+    server = Server(opt, model_name(args), max_queue=args.max_queue, metrics=not args.no_metrics,
+                    tracing=make_tracing(args.trace_file, service_name=f"devin-compile {model_name(args)}"))
 
     def ready(url: str) -> None:
         print(f"serving {server.model_name} on {url}/v1 (Ctrl-C or SIGTERM to stop)", flush=True)

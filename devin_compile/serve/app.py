@@ -42,7 +42,7 @@ class Server:
     """``opt``: an OptimizedModel with a tokenizer; ``model_name``: the id clients send as ``model``."""
 
     def __init__(self, opt, model_name: str = "smollm2", *, max_queue: int | None = None,
-                 metrics: bool = True) -> None:
+                 metrics: bool = True, tracing=None) -> None:
         if opt.tokenizer is None:
             raise ValueError("the server needs a tokenizer: pass tokenizer= to optimize()")
         self.opt = opt
@@ -52,6 +52,7 @@ class Server:
         self.engine = AsyncEngine(opt.engine)
         self.queued = 0  # engine requests submitted that have no token yet
         self.metrics = ServerMetrics(opt.engine, lambda: self.queued) if metrics else None
+        self.tracing = tracing  # a serve.tracing.Tracing, or None: no OpenTelemetry call at all
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -66,6 +67,8 @@ class Server:
     async def _lifespan(self, app):
         yield
         await self.engine.close()  # aborts what is still in flight
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes the spans
 
     # -- small endpoints --------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -101,8 +104,11 @@ class Server:
     async def _generate(self, request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         received = time.perf_counter()
+        span = None
         try:
             req = parse_request(parse_json(await request.body()), chat)
+            if self.tracing is not None:
+                span = self.tracing.start(request.headers, req, chat, self.model_name, received)
             if req.model != self.model_name:
                 raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
                                     f"`{self.model_name}` (GET /v1/models)", param="model", code="model_not_found")
@@ -112,30 +118,32 @@ class Server:
                                     f"{self.max_queue}); retry later", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": "1"})
         except APIError as e:
-            self._count(endpoint, e.status)
+            self._done(endpoint, e.status, None, span, e.message)
             return error_response(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gen = Generation(self, rid, choices, n=req.n, timeout=req.timeout, received=received)
         if req.stream:
-            return StreamingResponse(self._sse(gen, req, chat, endpoint), media_type="text/event-stream",
+            return StreamingResponse(self._sse(gen, req, chat, endpoint, span), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        status = 200
+        status, error = 200, None
         try:
             await _until_disconnect(request, gen.collect())
         except APIError as e:
-            status = e.status
+            status, error = e.status, e.message
             return error_response(e)
         except _ClientGone:
             status = 499
             return Response(status_code=499)
         finally:
             gen.close()
-            self._count(endpoint, status)
+            self._done(endpoint, status, gen, span, error)
         return JSONResponse(self._body(gen, req, chat))
 
-    def _count(self, endpoint: str, status: int) -> None:
+    def _done(self, endpoint: str, status: int, gen: Generation | None, span, error: str | None = None) -> None:
         if self.metrics is not None:
             self.metrics.request_done(endpoint, status)
+        if span is not None:
+            self.tracing.finish(span, gen, status, self.model_name, error)
 
     def _choices(self, req: GenerationRequest, chat: bool) -> list[Choice]:
         engine = self.opt.engine
@@ -194,8 +202,8 @@ class Server:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    async def _sse(self, gen: Generation, req: GenerationRequest, chat: bool, endpoint: str):
-        status = 499  # unless it ends otherwise: the client went away
+    async def _sse(self, gen: Generation, req: GenerationRequest, chat: bool, endpoint: str, span):
+        status, error = 499, None  # unless it ends otherwise: the client went away
         try:
             if chat:
                 yield self._chunk(gen, req, chat, [{"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -214,12 +222,12 @@ class Server:
             yield "data: [DONE]\n\n"
             status = 200
         except APIError as e:
-            status = e.status
+            status, error = e.status, e.message
             yield f"data: {json.dumps(e.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             gen.close()
-            self._count(endpoint, status)
+            self._done(endpoint, status, gen, span, error)
 
 
 class _ClientGone(Exception):
