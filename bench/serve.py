@@ -124,6 +124,7 @@ async def all_at_once(url: str, rows) -> dict:
     wall = time.perf_counter() - t0
     gen = sum(int(r["max_new_tokens"]) for r in rows)
     ttft = [f for _, f, _ in res]
+    await client.close()
     return {"wall_s": wall, "generated": gen, "gen_tok_s": gen / wall, "ttft_p50_ms": 1e3 * pct(ttft, 0.5),
             "ttft_p99_ms": 1e3 * pct(ttft, 0.99), "texts": [t for t, _, _ in res]}
 
@@ -138,6 +139,7 @@ async def poisson(url: str, rows, rate: float, seed: int = 0) -> dict:
         tasks.append(asyncio.create_task(one(client, r, time.perf_counter())))
         await asyncio.sleep(rng.expovariate(rate))
     res = await asyncio.gather(*tasks)
+    await client.close()
     ttft = [f for _, f, _ in res]
     return {"rate_rps": rate, "requests": len(rows), "ttft_p50_ms": 1e3 * pct(ttft, 0.5),
             "ttft_p99_ms": 1e3 * pct(ttft, 0.99), "e2e_p50_ms": 1e3 * pct([e for _, _, e in res], 0.5)}
@@ -169,11 +171,19 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="*", default=[0.25, 0.5, 1.0])
     ap.add_argument("--poisson-requests", type=int, default=16, help="requests per Poisson rate")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch/OpenMP threads of the engine, in-process and in the servers alike (default 1: on a "
+                         "small shared CPU, OpenMP barriers with contended cores cost more than they gain)")
     args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server processes inherit it
+    import torch
+
+    torch.set_num_threads(args.threads)
     rows = load_rows(args.workload, args.requests)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     out = {"command": "python bench/serve.py " + " ".join(sys.argv[1:]), "cpu": cpu, "cores": os.cpu_count(),
+           "threads": args.threads,
            "workload": os.path.basename(args.workload), "requests": len(rows)}
     print(f"in-process engine: {len(rows)} requests ...", flush=True)
     ref = in_process(args.model, rows)
