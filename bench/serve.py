@@ -8,9 +8,11 @@ vs the same workload through the in-process engine, and metrics + tracing on vs 
    bench/throughput.py does). 2. Server "off" (``--no-metrics``, no tracing) and server
    "on" (metrics + ``--trace-file``), each its own process: all requests sent at once as
    streamed completions (greedy, ``ignore_eos``, exactly ``max_new_tokens``) by
-   ``AsyncOpenAI``. Reported: generated tokens/s, ratios server/in-process and on/off, and
-   whether the server's text equals the in-process tokens decoded. 3. TTFT p50/p99 on the
-   "on" server under Poisson arrivals at a few rates (requests/s), as a table and a PNG.
+   ``AsyncOpenAI``. The three run alternately, ``--repeats`` times each (medians), so load
+   from elsewhere falls on all alike. Reported: generated tokens/s, ratios server/in-process
+   and on/off, and whether the server's text equals the in-process tokens decoded. 3. TTFT
+   p50/p99 on the "on" server under Poisson arrivals at a few rates (requests/s), as a table
+   and a PNG.
 Writes bench/results/serve.json and bench/results/serve-ttft.png. The client runs on the
 same CPU as the server (its cost is part of the measured overhead).
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import platform
@@ -48,15 +49,20 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def in_process(model_path, rows) -> dict:
+def load_opt(model_path):
     import torch
 
-    from devin_compile import SamplingParams, optimize
+    from devin_compile import optimize
     from devin_compile.models import load_model
 
     model, tok = load_model(model_path, torch.float32)
-    opt = optimize(model, tokenizer=tok)
-    engine = opt.engine
+    return optimize(model, tokenizer=tok)
+
+
+def in_process(opt, rows) -> dict:
+    from devin_compile import SamplingParams
+
+    engine, tok = opt.engine, opt.tokenizer
     work = [(tok(r["prompt"], add_special_tokens=False)["input_ids"], int(r["max_new_tokens"])) for r in rows]
     engine.generate([work[0][0]], SamplingParams(max_new_tokens=2))  # warm
     engine.reset_prefix_cache()
@@ -69,8 +75,6 @@ def in_process(model_path, rows) -> dict:
     texts = [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
     gen = sum(len(s.output_ids) for s in seqs)
     ttft = [s.metrics.first_token - t0 for s in seqs]
-    del opt, engine, model
-    gc.collect()
     return {"wall_s": wall, "generated": gen, "gen_tok_s": gen / wall, "ttft_p50_ms": 1e3 * pct(ttft, 0.5),
             "ttft_p99_ms": 1e3 * pct(ttft, 0.99), "texts": texts}
 
@@ -171,6 +175,7 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="*", default=[0.25, 0.5, 1.0])
     ap.add_argument("--poisson-requests", type=int, default=16, help="requests per Poisson rate")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each of the three (median)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch/OpenMP threads of the engine, in-process and in the servers alike (default 1: on a "
                          "small shared CPU, OpenMP barriers with contended cores cost more than they gain)")
@@ -185,36 +190,49 @@ def main() -> None:
     out = {"command": "python bench/serve.py " + " ".join(sys.argv[1:]), "cpu": cpu, "cores": os.cpu_count(),
            "threads": args.threads,
            "workload": os.path.basename(args.workload), "requests": len(rows)}
-    print(f"in-process engine: {len(rows)} requests ...", flush=True)
-    ref = in_process(args.model, rows)
-    results = {"in_process": ref}
-    for name, extra in [("server_off", ["--no-metrics"]), ("server_on", None)]:
-        trace = None
-        if extra is None:
-            trace = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
-            extra = ["--trace-file", trace]
-        print(f"{name}: starting ...", flush=True)
-        srv = ServerProcess(args.model, extra)
-        try:
-            res = asyncio.run(all_at_once(srv.url, rows))
-            res["same_text_as_in_process"] = res["texts"] == ref["texts"]
-            if name == "server_on":
-                res["poisson"] = [asyncio.run(poisson(srv.url, rows[:args.poisson_requests], r)) for r in args.rates]
-        finally:
-            res["exit_code"] = srv.stop()
-        if trace is not None:
-            with open(trace) as f:
-                res["spans_written"] = sum(1 for _ in f)
-            os.unlink(trace)
-        results[name] = res
-        print(f"{name}: {res['gen_tok_s']:.1f} tok/s (in-process {ref['gen_tok_s']:.1f})", flush=True)
-    for r in results.values():
-        r.pop("texts", None)
+    # all three stay up, and the runs alternate (in-process, off, on; rotated each repeat), so load
+    # from elsewhere on the machine falls on all of them alike; medians over the repeats
+    opt = load_opt(args.model)
+    trace = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
+    servers = {"server_off": ServerProcess(args.model, ["--no-metrics"]),
+               "server_on": ServerProcess(args.model, ["--trace-file", trace])}
+    runs: dict[str, list[dict]] = {"in_process": [], "server_off": [], "server_on": []}
+    order = list(runs)
+    poisson_rows = []
+    try:
+        for rep in range(args.repeats):
+            for name in order[rep % 3:] + order[:rep % 3]:
+                res = in_process(opt, rows) if name == "in_process" else \
+                    asyncio.run(all_at_once(servers[name].url, rows))
+                runs[name].append(res)
+                print(f"repeat {rep}: {name} {res['gen_tok_s']:.1f} tok/s", flush=True)
+        poisson_rows = [asyncio.run(poisson(servers["server_on"].url, rows[:args.poisson_requests], r))
+                        for r in args.rates]
+    finally:
+        exits = {name: srv.stop() for name, srv in servers.items()}
+    ref_texts = runs["in_process"][0]["texts"]
+    results = {}
+    for name, rs in runs.items():
+        results[name] = {
+            "gen_tok_s_median": statistics.median(r["gen_tok_s"] for r in rs),
+            "gen_tok_s_runs": [r["gen_tok_s"] for r in rs],
+            "ttft_p50_ms_median": statistics.median(r["ttft_p50_ms"] for r in rs),
+            "ttft_p99_ms_median": statistics.median(r["ttft_p99_ms"] for r in rs),
+            "generated_per_run": rs[0]["generated"],
+            "same_text_as_in_process": all(r["texts"] == ref_texts for r in rs),
+        }
+        if name in exits:
+            results[name]["exit_code_after_sigterm"] = exits[name]
+    with open(trace) as f:
+        results["server_on"]["spans_written"] = sum(1 for _ in f)
+    os.unlink(trace)
+    results["server_on"]["poisson"] = poisson_rows
+    med = {k: v["gen_tok_s_median"] for k, v in results.items()}
     out["results"] = results
     out["ratios"] = {
-        "server_off_vs_in_process": results["server_off"]["gen_tok_s"] / ref["gen_tok_s"],
-        "server_on_vs_in_process": results["server_on"]["gen_tok_s"] / ref["gen_tok_s"],
-        "on_vs_off": results["server_on"]["gen_tok_s"] / results["server_off"]["gen_tok_s"],
+        "server_off_vs_in_process": med["server_off"] / med["in_process"],
+        "server_on_vs_in_process": med["server_on"] / med["in_process"],
+        "on_vs_off": med["server_on"] / med["server_off"],
     }
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "serve.json"), "w") as f:

@@ -123,8 +123,13 @@ class Server:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gen = Generation(self, rid, choices, n=req.n, timeout=req.timeout, received=received)
         if req.stream:
-            return StreamingResponse(self._sse(gen, req, chat, endpoint, span), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            def closed() -> None:  # the stream never started (the client left at once): abort, count it
+                if not gen.closed:
+                    gen.close()
+                    self._done(endpoint, 499, gen, span)
+
+            return _EventStream(self._sse(gen, req, chat, endpoint, span), closed, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
         status, error = 200, None
         try:
             await _until_disconnect(request, gen.collect())
@@ -232,6 +237,21 @@ class Server:
 
 class _ClientGone(Exception):
     pass
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that calls ``on_close`` however it ends, even when it is cancelled
+    before its body iterator ever started (whose own ``finally`` then never runs)."""
+
+    def __init__(self, content, on_close, **kw) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _until_disconnect(request: Request, coro):

@@ -50,6 +50,7 @@ class Generation:
 
     def __post_init__(self) -> None:
         self._events: asyncio.Queue = asyncio.Queue()
+        self.closed = False
         self._tasks = [asyncio.create_task(self._drive(c)) for c in self.choices]
         self.server.queued += len(self.choices)
 
@@ -129,6 +130,7 @@ class Generation:
     def close(self) -> None:
         """Cancel the choices still running (each aborts its engine request); synchronous, so it is
         safe in a cancelled task's cleanup."""
+        self.closed = True
         for t in self._tasks:
             if not t.done():
                 t.cancel()
