@@ -253,7 +253,7 @@ def test_full_queue_answers_429_with_retry_after(server):
 
 def test_non_streamed_client_disconnect_aborts(server):
     before = requests_with(server, 499)
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 220, "ignore_eos": True}).encode()
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 250, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -106,7 +106,12 @@ class Server:
         received = time.perf_counter()
         span = None
         try:
-            req = parse_request(parse_json(await request.body()), chat)
+            try:
+                raw = await request.body()
+            except ClientDisconnect:
+                self._done(endpoint, 499, None, None)
+                return Response(status_code=499)
+            req = parse_request(parse_json(raw), chat)
             if self.tracing is not None:
                 span = self.tracing.start(request.headers, req, chat, self.model_name, received)
             if req.model != self.model_name:
