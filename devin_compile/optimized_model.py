@@ -8,7 +8,7 @@ and ``forward_logits`` (a full-sequence forward).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Iterator, Sequence as Seq
 
 import torch
 from transformers.modeling_outputs import CausalLMOutput
@@ -18,6 +18,8 @@ from .config import OptimizeConfig
 from .pipeline import PassReport, Program
 from .runtime.engine import Engine
 from .runtime.sampling import SamplingParams
+from .serve.detokenizer import TextStream
+from .serve.templates import chat_prompt_ids
 
 if TYPE_CHECKING:
     from .runtime.async_engine import AsyncEngine
@@ -117,6 +119,40 @@ class OptimizedModel:
             texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
             return texts[0] if single_text else texts
         return outs
+
+    # -- text: chat template, streaming ------------------------------------------
+    def chat_ids(self, messages: Seq[dict]) -> list[int]:
+        """Prompt token ids of OpenAI-style ``messages`` under the tokenizer's chat template."""
+        return chat_prompt_ids(self.tokenizer, messages)
+
+    def chat(self, messages: Seq[dict], max_new_tokens: int = 64, *, stop: Seq[str] = (), **sampling: Any) -> str:
+        """The assistant's reply to ``messages`` (the tokenizer's chat template applied), as text.
+        ``sampling``: ``SamplingParams`` fields (``do_sample``, ``temperature``, ``seed``, ...)."""
+        return "".join(self.stream_text(self.chat_ids(messages), max_new_tokens, stop=stop, **sampling))
+
+    def stream_text(self, prompt: str | Seq[int], max_new_tokens: int = 64, *, stop: Seq[str] = (),
+                    **sampling: Any) -> Iterator[str]:
+        """Yield the new text as it is generated (incremental detokenisation: never half a UTF-8
+        character; generation ends at the first of ``stop``, which is not yielded)."""
+        if self.tokenizer is None:
+            raise ValueError("stream_text needs a tokenizer: pass tokenizer= to optimize()")
+        if isinstance(stop, str):
+            stop = [stop]
+        params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+        rid = self.engine.add_request(prompt, params)
+        text = TextStream(self.tokenizer, self.engine.requests[rid].prompt_ids, stop)
+        try:
+            for tok in self.engine.stream(rid):
+                delta = text.add([tok])
+                if delta:
+                    yield delta
+                if text.stopped:
+                    return
+            delta = text.finish()
+            if delta:
+                yield delta
+        finally:
+            self.engine.abort(rid)  # a stop string, or the caller stopped iterating: free the KV blocks
 
     def _pad_id(self) -> int:
         cfg = self.config

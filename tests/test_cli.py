@@ -53,8 +53,8 @@ def _tiny_llama(folder: Path, weights: bool = True, tokenizer: bool = True) -> P
 # ---------------------------------------------------------------- help
 def test_help_imports_neither_torch_nor_transformers():
     code = ("import sys\nfrom devin_compile.cli import build_parser\n"
-            "for c in ('', 'run', 'dump', 'quantize'):\n    build_parser(c).format_help()\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+            "for c in ('', 'run', 'serve', 'chat', 'dump', 'quantize'):\n    build_parser(c).format_help()\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'starlette', 'uvicorn') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]"
@@ -172,3 +172,27 @@ def test_hf_peer_dtype(monkeypatch):
     assert benchmarking.hf_peer_dtype(fp32.to(torch.bfloat16)) == (torch.bfloat16, "")
     monkeypatch.setattr(prepack, "prepack_supported", lambda dtype: False)
     assert benchmarking.hf_peer_dtype(fp32.to(torch.float16)) == (torch.float32, "float16 is not native on this CPU")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "-1"], "argument --port: must be an integer >= 0, got -1"),
+    (["serve", "--shutdown-timeout", "0"], "argument --shutdown-timeout: must be a number > 0"),
+    (["serve", "--option", "nonsense"], "argument --option: 'nonsense' is not KEY=VALUE"),
+    (["chat", "--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive integer"),
+])
+def test_serve_and_chat_numbers_refused_while_parsing(no_load, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_options_refused_before_loading(no_load, tmp_path, capsys):
+    assert main(["serve", "--option", "max_num_seqs=0"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+    assert main(["serve", "--option", "warp=9"]) == 2
+    assert "unknown option 'warp'" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "none.json")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    (tmp_path / "c.json").write_text("[1]")
+    assert main(["chat", "--config", str(tmp_path / "c.json")]) == 2
+    assert "must hold a JSON object" in capsys.readouterr().err

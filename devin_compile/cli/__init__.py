@@ -1,4 +1,4 @@
-"""The ``devin-compile`` command line: one module per subcommand (run, dump, quantize).
+"""The ``devin-compile`` command line: one module per subcommand (run, serve, chat, dump, quantize).
 
 Each subcommand module has ``HELP`` (one line), ``DESCRIPTION`` (its --help text),
 ``add_arguments(parser)``, which also sets the function that runs it, and that function.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import dump, quantize, run
+from . import chat, dump, quantize, run, serve
 
 DESCRIPTION = "Compile a Hugging Face causal LM into a paged-KV engine and use it."
 EPILOG = 'Run "devin-compile COMMAND --help" for the options of a command.'
 
-COMMANDS = {"run": run, "dump": dump, "quantize": quantize}
+COMMANDS = {"run": run, "serve": serve, "chat": chat, "dump": dump, "quantize": quantize}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

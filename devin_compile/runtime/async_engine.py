@@ -77,6 +77,13 @@ class AsyncEngine:
             last = out
         return last
 
+    def outputs(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's :class:`RequestOutput` after every step that touched it (its
+        ``new_ids``, and ``finish_reason`` / ``metrics`` on the last); closing the iterator
+        early (``aclose()``) aborts the request."""
+        return self._outputs(prompt, params, request_id)
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None, None))
         self._wake.set()

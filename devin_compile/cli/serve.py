@@ -1,0 +1,121 @@
+"""``devin-compile serve``: optimize a model and serve it with the OpenAI API over HTTP."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import common
+
+HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streaming, metrics)"
+DESCRIPTION = ("Load SmolLM2-135M-Instruct (or --model PATH), optimize it, and serve it on http://HOST:PORT with "
+               "the OpenAI API: /v1/completions, /v1/chat/completions (stream with server-sent events), /v1/models, "
+               "/health and Prometheus /metrics. Any optimize() option can be given with --option KEY=VALUE or in "
+               "a JSON --config file. SIGTERM or Ctrl-C stops accepting requests, lets those in flight finish for "
+               "up to --shutdown-timeout seconds, aborts the rest and exits 0.")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE read as JSON when it parses (numbers, true/false, lists, objects)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. max_num_seqs=32)")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def add_optimize_arguments(p) -> None:
+    common.add_model_arguments(p)
+    p.add_argument("--config", metavar="FILE", help="a JSON file of optimize() options, e.g. "
+                                                    '{"max_num_seqs": 32, "num_kv_blocks": 512}')
+    p.add_argument("--option", action="append", type=option, default=[], metavar="KEY=VALUE",
+                   help="an optimize() option (repeatable; overrides --config), e.g. --option max_num_seqs=32")
+    p.add_argument("--max-num-seqs", type=common.int_at_least(1), metavar="N",
+                   help="most sequences in one engine step (optimize's max_num_seqs; default 64)")
+    p.add_argument("--max-model-len", type=common.int_at_least(2), metavar="N",
+                   help="longest prompt + completion in tokens (default: the model's context)")
+    p.add_argument("--num-kv-blocks", type=common.int_at_least(1), metavar="N",
+                   help="KV-cache blocks in the pool (default: sized from free memory)")
+
+
+def add_arguments(p) -> None:
+    add_optimize_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=common.int_at_least(0), default=8000,
+                   help="port to listen on (default 8000; 0 picks a free one, printed at start)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id clients send (default: smollm2, or the --model folder/file name)")
+    p.add_argument("--max-queue", type=common.int_at_least(1), metavar="N",
+                   help="requests waiting for their first token before new ones get 429 (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="S",
+                   help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    p.add_argument("--no-metrics", action="store_true", help="turn off the Prometheus metrics (/metrics answers 404)")
+    p.add_argument("--trace-file", metavar="FILE",
+                   help="write an OpenTelemetry span per request to FILE as JSON lines (traces are also exported by "
+                        "OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise tracing is off)")
+    p.set_defaults(fn=main)
+
+
+def optimize_options(args) -> dict:
+    """--config, then --option, then the named flags; checked (ValueError) before any model loads."""
+    options: dict = {}
+    if args.config is not None:
+        if not os.path.isfile(args.config):
+            raise FileNotFoundError(f"--config {args.config} is not a file")
+        try:
+            with open(args.config) as f:
+                options = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"--config {args.config} is not valid JSON: {e}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"--config {args.config} must hold a JSON object of optimize() options")
+    options.update(dict(args.option))
+    for flag in ("max_num_seqs", "max_model_len", "num_kv_blocks"):
+        if getattr(args, flag) is not None:
+            options[flag] = getattr(args, flag)
+    return common.check_options(args, **options)
+
+
+def model_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return "smollm2"
+    return os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
+
+
+def main(args) -> int:
+    options = optimize_options(args)
+    if args.trace_file is not None:
+        folder = os.path.dirname(os.path.abspath(args.trace_file))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"--trace-file {args.trace_file}: folder {folder} does not exist")
+    con = common.console()
+    model, tok = common.load(args, con)
+    opt = common.optimize(model, tok, con, **options)
+    from ..serve.app import Server
+    from ..serve.server import serve
+    from ..serve.tracing import make_tracing
+
+    server = Server(opt, model_name(args), max_queue=args.max_queue, metrics=not args.no_metrics,
+                    tracing=make_tracing(args.trace_file, service_name=f"devin-compile {model_name(args)}"))
+
+    def ready(url: str) -> None:
+        print(f"serving {server.model_name} on {url}/v1 (Ctrl-C or SIGTERM to stop)", flush=True)
+
+    serve(server, args.host, args.port, shutdown_timeout=args.shutdown_timeout, on_ready=ready)
+    print("server stopped", file=sys.stderr, flush=True)
+    return 0

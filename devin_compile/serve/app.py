@@ -1,0 +1,278 @@
+"""The OpenAI-compatible HTTP app (Starlette): ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``/health``, ``/metrics``.
+
+:class:`Server` owns an :class:`~devin_compile.runtime.async_engine.AsyncEngine` over an
+``OptimizedModel``'s engine (started and closed by the app's lifespan). A request is parsed
+and checked (:mod:`~devin_compile.serve.protocol`), its prompts tokenised (chat: the
+tokenizer's chat template) and checked against the context and the KV pool, then run as a
+:class:`~devin_compile.serve.generation.Generation`. Streams are server-sent events ending
+in ``data: [DONE]``. A client that goes away (streamed or not) aborts its request; with
+``max_queue`` requests waiting for their first token, new ones get 429 + ``Retry-After``.
+Errors are OpenAI-shaped JSON; a failing request never affects the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..runtime.async_engine import AsyncEngine
+from ..runtime.kv_prune import resolve_request as resolve_kv_prune
+from ..runtime.sampling import SamplingParams
+from .detokenizer import TextStream
+from .generation import Choice, Generation
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import APIError, GenerationRequest, bad, parse_json, parse_request
+from .templates import chat_prompt_ids
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Server:
+    """``opt``: an OptimizedModel with a tokenizer; ``model_name``: the id clients send as ``model``."""
+
+    def __init__(self, opt, model_name: str = "smollm2", *, max_queue: int | None = None,
+                 metrics: bool = True, tracing=None) -> None:
+        if opt.tokenizer is None:
+            raise ValueError("the server needs a tokenizer: pass tokenizer= to optimize()")
+        self.opt = opt
+        self.tokenizer = opt.tokenizer
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self.engine = AsyncEngine(opt.engine)
+        self.queued = 0  # engine requests submitted that have no token yet
+        self.metrics = ServerMetrics(opt.engine, lambda: self.queued) if metrics else None
+        self.tracing = tracing  # a serve.tracing.Tracing, or None: no OpenTelemetry call at all
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+        ], exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
+            lifespan=self._lifespan)
+
+    @asynccontextmanager
+    async def _lifespan(self, app):
+        yield
+        await self.engine.close()  # aborts what is still in flight
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes the spans
+
+    # -- small endpoints --------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "devin-compile",
+            "max_model_len": self.opt.engine.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        if self.engine._error is not None:
+            return JSONResponse({"status": "error", "error": str(self.engine._error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        if self.metrics is None:
+            return error_response(APIError(404, "metrics are off (the server was started with --no-metrics)",
+                                           type="not_found_error"))
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error"))
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    # -- generation -------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        received = time.perf_counter()
+        span = None
+        try:
+            try:
+                raw = await request.body()
+            except ClientDisconnect:
+                self._done(endpoint, 499, None, None)
+                return Response(status_code=499)
+            req = parse_request(parse_json(raw), chat)
+            if self.tracing is not None:
+                span = self.tracing.start(request.headers, req, chat, self.model_name, received)
+            if req.model != self.model_name:
+                raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                                    f"`{self.model_name}` (GET /v1/models)", param="model", code="model_not_found")
+            choices = self._choices(req, chat)
+            if self.max_queue is not None and self.queued + len(choices) > self.max_queue:
+                raise APIError(429, f"the server's queue is full ({self.queued} requests waiting, --max-queue "
+                                    f"{self.max_queue}); retry later", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": "1"})
+        except APIError as e:
+            self._done(endpoint, e.status, None, span, e.message)
+            return error_response(e)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        gen = Generation(self, rid, choices, n=req.n, timeout=req.timeout, received=received)
+        if req.stream:
+            def closed() -> None:  # the stream never started (the client left at once): abort, count it
+                if not gen.closed:
+                    gen.close()
+                    self._done(endpoint, 499, gen, span)
+
+            return _EventStream(self._sse(gen, req, chat, endpoint, span), closed, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+        status, error = 200, None
+        try:
+            await _until_disconnect(request, gen.collect())
+        except APIError as e:
+            status, error = e.status, e.message
+            return error_response(e)
+        except _ClientGone:
+            status = 499
+            return Response(status_code=499)
+        finally:
+            gen.close()
+            self._done(endpoint, status, gen, span, error)
+        return JSONResponse(self._body(gen, req, chat))
+
+    def _done(self, endpoint: str, status: int, gen: Generation | None, span, error: str | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.request_done(endpoint, status)
+        if span is not None:
+            self.tracing.finish(span, gen, status, self.model_name, error)
+
+    def _choices(self, req: GenerationRequest, chat: bool) -> list[Choice]:
+        engine = self.opt.engine
+        limit = engine.max_model_len
+        pool = engine.allocator.num_blocks * engine.runner.block_size
+        vocab = engine.runner.vocab_size
+        field = "messages" if chat else "prompt"
+        out = []
+        for p, prompt in enumerate(req.prompts):
+            try:
+                if chat:
+                    ids = chat_prompt_ids(self.tokenizer, prompt)
+                elif isinstance(prompt, str):
+                    ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                else:
+                    ids = list(prompt)
+            except ValueError as e:
+                raise bad(field, str(e)) from None
+            if not ids:
+                raise bad(field, f"{field} has no tokens")
+            if any(not 0 <= t < vocab for t in ids):
+                raise bad(field, f"{field} token ids must be in [0, {vocab})")
+            if len(ids) >= limit:
+                raise bad(field, f"{field} has {len(ids)} tokens but the model's context is {limit}; shorten it")
+            max_tokens = req.max_tokens if req.max_tokens is not None else min(limit, pool) - len(ids)
+            if len(ids) + max_tokens > min(limit, pool):
+                why = "the model's context" if limit <= pool else "the KV pool"
+                raise bad("max_tokens", f"{field} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {why} of "
+                                        f"{min(limit, pool)} tokens; lower max_tokens")
+            for i in range(req.n):
+                index = p * req.n + i
+                try:
+                    params = SamplingParams(max_new_tokens=max_tokens, **req.sampling_kwargs(i))
+                    resolve_kv_prune(engine.kv_prune, params)  # does this model allow the request's kv_prune?
+                except ValueError as e:
+                    raise bad("kv_prune" if "kv_prune" in str(e).lower() or "pruning" in str(e) else None,
+                              str(e)) from None
+                out.append(Choice(index, ids, params, TextStream(self.tokenizer, ids, req.stop)))
+        return out
+
+    # -- response bodies ----------------------------------------------------------
+    def _body(self, gen: Generation, req: GenerationRequest, chat: bool) -> dict:
+        if chat:
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+                        "logprobs": None, "finish_reason": c.finish_reason} for c in gen.choices]
+        else:
+            choices = [{"index": c.index, "text": c.text.text, "logprobs": None, "finish_reason": c.finish_reason}
+                       for c in gen.choices]
+        return {"id": gen.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": gen.usage()}
+
+    def _chunk(self, gen: Generation, req: GenerationRequest, chat: bool, choices: list, usage=None) -> str:
+        body = {"id": gen.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices}
+        if req.include_usage:  # as OpenAI: then every chunk has "usage", null but in the last
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def _sse(self, gen: Generation, req: GenerationRequest, chat: bool, endpoint: str, span):
+        status, error = 499, None  # unless it ends otherwise: the client went away
+        try:
+            if chat:
+                yield self._chunk(gen, req, chat, [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None} for c in gen.choices])
+            async for c, delta, finish in gen.events():
+                if not delta and finish is None:
+                    continue
+                if chat:
+                    choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": None,
+                              "finish_reason": finish}
+                else:
+                    choice = {"index": c.index, "text": delta, "logprobs": None, "finish_reason": finish}
+                yield self._chunk(gen, req, chat, [choice])
+            if req.include_usage:
+                yield self._chunk(gen, req, chat, [], gen.usage())
+            yield "data: [DONE]\n\n"
+            status = 200
+        except APIError as e:
+            status, error = e.status, e.message
+            yield f"data: {json.dumps(e.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            gen.close()
+            self._done(endpoint, status, gen, span, error)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that calls ``on_close`` however it ends, even when it is cancelled
+    before its body iterator ever started (whose own ``finally`` then never runs)."""
+
+    def __init__(self, content, on_close, **kw) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _until_disconnect(request: Request, coro):
+    """Await ``coro``; if the client disconnects first, cancel it and raise :class:`_ClientGone`."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise _ClientGone()

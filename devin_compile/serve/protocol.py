@@ -1,0 +1,207 @@
+"""OpenAI request bodies → checked :class:`GenerationRequest`; OpenAI-style errors.
+
+Every field is checked by name and type before anything is queued; a bad one is an
+:class:`APIError` (400 unless said otherwise) whose ``param`` names it, e.g.
+``{"error": {"message": "max_tokens must be an integer >= 1, got -3", "type":
+"invalid_request_error", "param": "max_tokens", "code": null}}``. Options the engine
+cannot honour (``logprobs``, ``echo``, penalties, ``logit_bias``, ``best_of`` > n,
+``suffix``) are refused as not supported rather than ignored. devin-compile's own options
+ride in the body as extra fields, as vLLM does: ``kv_prune`` (false or a KVPruneConfig
+dict), ``ignore_eos``, ``top_k`` and ``timeout`` (seconds for this request).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 16
+MAX_STOP = 16
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: HTTP ``status`` and ``{"error": {...}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _opt_int(body: dict, name: str, default, lo: int, hi: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(name, f"{name} must be an integer {rng}, got {v!r}")
+    return v
+
+
+def _opt_num(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v) or v > hi or v < lo or (lo_open and v == lo):
+        raise bad(name, f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+    return float(v)
+
+
+def _opt_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be true or false, got {v!r}")
+    return v
+
+
+@dataclass
+class GenerationRequest:
+    """One checked /v1/completions or /v1/chat/completions body."""
+
+    model: str
+    prompts: list  # list of (str | list[int]) for completions; [messages] for chat
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    kv_prune: Any = None
+    timeout: float | None = None
+
+    def sampling_kwargs(self, choice: int) -> dict:
+        """``SamplingParams`` fields for choice ``choice`` (seeded choices get seed + choice)."""
+        sample = self.temperature > 0
+        return dict(do_sample=sample, temperature=self.temperature if sample else 1.0, top_p=self.top_p,
+                    top_k=self.top_k, seed=None if self.seed is None else self.seed + choice,
+                    ignore_eos=self.ignore_eos, kv_prune=self.kv_prune)
+
+
+def _unsupported(body: dict, chat: bool) -> None:
+    checks = [
+        ("logprobs", lambda v: v not in (None, False, 0) if chat else v is not None),
+        ("top_logprobs", lambda v: v not in (None, 0)),
+        ("echo", lambda v: v not in (None, False)),
+        ("suffix", lambda v: v not in (None, "")),
+        ("presence_penalty", lambda v: v not in (None, 0, 0.0)),
+        ("frequency_penalty", lambda v: v not in (None, 0, 0.0)),
+        ("repetition_penalty", lambda v: v not in (None, 1, 1.0)),
+        ("logit_bias", lambda v: v not in (None, {})),
+        ("tools", lambda v: v not in (None, [])),
+        ("response_format", lambda v: v not in (None, {"type": "text"})),
+        ("speculative", lambda v: v is not None),
+    ]
+    for name, refused in checks:
+        if name in body and refused(body[name]):
+            raise bad(name, f"{name} is not supported by devin-compile's server (its sampler does not provide it); "
+                            "leave it out")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise bad("best_of", "best_of is not supported (each choice is returned); use n instead")
+
+
+def _prompts(body: dict) -> list:
+    if "prompt" not in body:
+        raise bad("prompt", "prompt is required: a string, a list of strings, or token ids")
+    p = body["prompt"]
+    if isinstance(p, str):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+        prompts = list(p)
+    else:
+        raise bad("prompt", "prompt must be a non-empty string, a list of strings, a list of token ids, "
+                            "or a list of token-id lists")
+    if any(isinstance(x, str) and not x for x in prompts):
+        raise bad("prompt", "prompt must not be empty")
+    return prompts
+
+
+def _stop(body: dict) -> list[str]:
+    s = body.get("stop")
+    if s is None:
+        return []
+    if isinstance(s, str):
+        s = [s]
+    if not isinstance(s, list) or len(s) > MAX_STOP or not all(isinstance(x, str) and x for x in s):
+        raise bad("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings, "
+                          f"got {body.get('stop')!r}")
+    return s
+
+
+def parse_request(body: dict, chat: bool) -> GenerationRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required: a string naming the model (see GET /v1/models)")
+    _unsupported(body, chat)
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad("messages", "messages is required: a non-empty list of {'role', 'content'} objects")
+        prompts = [msgs]
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _opt_int(body, name, None, 1)
+    else:
+        prompts = _prompts(body)
+        max_tokens = _opt_int(body, "max_tokens", 16, 1)
+    so = body.get("stream_options")
+    if so is not None and not (isinstance(so, dict) and isinstance(so.get("include_usage", False), bool)):
+        raise bad("stream_options", "stream_options must be an object like {'include_usage': true}")
+    stream = _opt_bool(body, "stream", False)
+    if so is not None and not stream:
+        raise bad("stream_options", "stream_options is only allowed when stream is true")
+    kv_prune = body.get("kv_prune")
+    if kv_prune is not None and not (kv_prune is False or isinstance(kv_prune, dict)):
+        raise bad("kv_prune", "kv_prune must be false or an object of KVPruneConfig fields")
+    timeout = body.get("timeout")
+    if timeout is not None and (not _is_num(timeout) or timeout <= 0):
+        raise bad("timeout", f"timeout must be a number of seconds > 0, got {timeout!r}")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad("seed", f"seed must be an integer, got {seed!r}")
+    req = GenerationRequest(
+        model=model, prompts=prompts, max_tokens=max_tokens,
+        temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0), top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, True),
+        top_k=_opt_int(body, "top_k", 0, -1), seed=seed, stop=_stop(body), n=_opt_int(body, "n", 1, 1, MAX_N),
+        stream=stream, include_usage=bool(so and so.get("include_usage")),
+        ignore_eos=_opt_bool(body, "ignore_eos", False), kv_prune=kv_prune,
+        timeout=None if timeout is None else float(timeout))
+    req.top_k = max(req.top_k, 0)  # vLLM's -1 (off) is 0 here
+    return req
