@@ -11,7 +11,8 @@
 - **Load.** On admission, after the pool's own prefix match, the scheduler asks :meth:`lookup`
   for the next blocks of the chain: each is looked up tier by tier (a hit in a lower tier is
   promoted into the tiers above), and the walk stops at the first block no tier has. The found
-  blocks are written into freshly allocated pool blocks in one copy (:meth:`write`).
+  blocks are written into freshly allocated pool blocks (:meth:`write`; on an accelerator in one
+  transfer).
 - **Checks.** A value whose header does not match (another fingerprint, dtype, shape or format
   version, truncated or corrupted) is counted as ``rejected`` for its tier, dropped from it, and
   the walk stops there: the block is recomputed, never attended over.
@@ -25,12 +26,25 @@ import time
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
+import numpy as np
 import torch
 
 from ..cache import KVBlockCodec, RejectedValue, TieredCache, kv_block_key, model_fingerprint
 from ..cache.config import RedisTier, TierConfig, build_backends
 from .kv_cache import PagedKVCache
 from .prefix_cache import CachedBlock
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _host_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of same-sized ints (numpy has no bfloat16).
+
+    Block copies on the host go through numpy: a few hundred KB per block is under torch's
+    parallel grain yet above it per op, and on a busy CPU each threaded copy waits for its
+    OpenMP team (milliseconds); numpy copies in the calling thread."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
 
 
 @dataclass
@@ -90,10 +104,15 @@ class KVTiers:
         if not keep:
             return
         t0 = time.perf_counter()
-        idx = torch.tensor([e.block for e in keep], dtype=torch.long, device=self.pool.device)
-        blocks = self.pool.data.index_select(2, idx).to("cpu")  # [layers, 2, n, block_size, Hkv, D]
-        for i, e in enumerate(keep):
-            value = self.codec.encode(blocks[:, :, i])
+        data = self.pool.data
+        if data.device.type == "cpu":  # numpy copies block by block (see _host_view)
+            pool = _host_view(data)
+            blocks = [torch.from_numpy(np.ascontiguousarray(pool[:, :, e.block])).view(data.dtype) for e in keep]
+        else:  # one gather and one transfer to host memory
+            idx = torch.tensor([e.block for e in keep], dtype=torch.long, device=data.device)
+            blocks = list(data.index_select(2, idx).to("cpu").unbind(2))
+        for e, block in zip(keep, blocks):
+            value = self.codec.encode(block)
             key = self.key(e.hash)
             self.chain.set(key, value)
             if self.shared is not None:
@@ -138,14 +157,18 @@ class KVTiers:
         return None
 
     def write(self, blocks: Seq[int], values: Seq[torch.Tensor]) -> None:
-        """Copy looked-up K/V into pool ``blocks`` (freshly allocated, owned by the caller) in one copy."""
+        """Copy looked-up K/V into pool ``blocks`` (freshly allocated, owned by the caller)."""
         if not blocks:
             return
         t0 = time.perf_counter()
         data = self.pool.data
-        stacked = torch.stack(list(values), dim=2).to(data.device)
-        idx = torch.tensor(list(blocks), dtype=torch.long, device=data.device)
-        data.index_copy_(2, idx, stacked)
+        if data.device.type == "cpu":  # numpy copies block by block (see _host_view)
+            pool = _host_view(data)
+            for b, value in zip(blocks, values):
+                pool[:, :, b] = _host_view(value)
+        else:  # one transfer to the device and one scatter
+            stacked = torch.stack(list(values), dim=2).pin_memory().to(data.device, non_blocking=True)
+            data.index_copy_(2, torch.tensor(list(blocks), dtype=torch.long, device=data.device), stacked)
         self.loaded_blocks += len(blocks)
         self.write_s += time.perf_counter() - t0
 
