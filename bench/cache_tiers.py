@@ -31,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -190,6 +191,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small check that the bench runs (2 waves of 4, 1 repeat)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cache_tiers.json"))
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop redis-server
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
@@ -220,16 +222,35 @@ def main() -> None:
             runs["replicas"].append(replicas(rep, waves, args.pool_blocks, url, f"bench-{os.getpid()}-{r}:", vocab))
             runs["cost_off"].append(no_hits(rep, mixed, args.cost_pool_blocks, None))
             runs["cost_on"].append(no_hits(rep, mixed, args.cost_pool_blocks, both))
+            summary = summarize(runs, reference, size)
+            write(args, size, summary, runs)  # after every repeat, so an interrupted run keeps what it measured
             print(f"repeat {r + 1}/{args.repeats} done", flush=True)
     finally:
         if proc is not None:
             proc.kill()
+    h, rp, c = summary["host_tier"], summary["replicas"], summary["no_hits"]
+    print(f"\n{args.dtype}, {torch.get_num_threads()} threads, {args.repeats} repeats, {args.waves} waves of {size}, "
+          f"pool {args.pool_blocks} blocks")
+    print(f"host tier: mean TTFT waves 2+ {h['ttft_mean_later_waves_ms']['off']:.0f} ms off vs "
+          f"{h['ttft_mean_later_waves_ms']['host_lru']:.0f} ms host_lru = {h['ttft_ratio_later_waves']:.2f}x; all waves "
+          f"{h['ttft_ratio_all_waves']:.2f}x; outputs = reference {h['outputs_identical_to_reference']} "
+          f"(off: {h['off_outputs_identical_to_reference']})")
+    print(f"replicas: second replica's first wave TTFT {rp['second_replica_ttft_mean_ms']:.0f} ms vs "
+          f"{rp['no_redis_replica_ttft_mean_ms']:.0f} ms without Redis = {rp['ttft_ratio']:.2f}x; outputs = reference "
+          f"{rp['outputs_identical_to_reference']}")
+    print(f"no hits: {c['gen_tok_s']['on']:.1f} vs {c['gen_tok_s']['off']:.1f} generated tok/s = "
+          f"{c['throughput_ratio']:.3f}x (tier hits {c['tier_hit_tokens']}); identical {c['outputs_identical']}")
+    print(f"wrote {args.out}")
+
+
+def summarize(runs: dict[str, list[dict]], reference: list, size: int) -> dict:
+    """Medians over the repeats so far, their ratios, and whether outputs matched."""
     off_later, host_later = median_of(runs["off"], "ttft_mean_later_waves_ms"), median_of(runs["host"], "ttft_mean_later_waves_ms")
     off_all, host_all = median_of(runs["off"], "ttft_mean_all_waves_ms"), median_of(runs["host"], "ttft_mean_all_waves_ms")
     second = median_of(runs["replicas"], "second_replica_ttft_mean_ms")
     alone = median_of(runs["replicas"], "no_redis_replica_ttft_mean_ms")
     cost_off, cost_on = median_of(runs["cost_off"], "gen_tok_s"), median_of(runs["cost_on"], "gen_tok_s")
-    summary = {
+    return {
         "host_tier": {"ttft_mean_later_waves_ms": {"off": off_later, "host_lru": host_later},
                       "ttft_mean_all_waves_ms": {"off": off_all, "host_lru": host_all},
                       "ttft_ratio_later_waves": off_later / host_later, "ttft_ratio_all_waves": off_all / host_all,
@@ -246,27 +267,17 @@ def main() -> None:
                     "tier_hit_tokens": max(x["tier_hit_tokens"] for x in runs["cost_on"]),
                     "outputs_identical": all(a["outputs"] == b["outputs"] for a, b in zip(runs["cost_off"], runs["cost_on"]))},
     }
-    print(f"\n{args.dtype}, {torch.get_num_threads()} threads, {args.repeats} repeats, {args.waves} waves of {size}, "
-          f"pool {args.pool_blocks} blocks")
-    h, rp, c = summary["host_tier"], summary["replicas"], summary["no_hits"]
-    print(f"host tier: mean TTFT waves 2+ {off_later:.0f} ms off vs {host_later:.0f} ms host_lru = "
-          f"{h['ttft_ratio_later_waves']:.2f}x; all waves {h['ttft_ratio_all_waves']:.2f}x; outputs = reference "
-          f"{h['outputs_identical_to_reference']} (off: {h['off_outputs_identical_to_reference']})")
-    print(f"replicas: second replica's first wave TTFT {second:.0f} ms vs {alone:.0f} ms without Redis = "
-          f"{rp['ttft_ratio']:.2f}x; outputs = reference {rp['outputs_identical_to_reference']}")
-    print(f"no hits: {cost_on:.1f} vs {cost_off:.1f} generated tok/s = {c['throughput_ratio']:.3f}x (tier hits "
-          f"{c['tier_hit_tokens']}); identical {c['outputs_identical']}")
-    for runs_ in runs.values():
-        for x in runs_:
-            x.pop("outputs", None)
-            x.pop("second_outputs", None)
+
+
+def write(args, size: int, summary: dict, runs: dict[str, list[dict]]) -> None:
+    drop = ("outputs", "second_outputs")
+    slim = {k: [{a: b for a, b in x.items() if a not in drop} for x in v] for k, v in runs.items()}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", *sys.argv]), "dtype": args.dtype, "threads": torch.get_num_threads(),
-                   "repeats": args.repeats, "waves": args.waves, "wave_size": size, "pool_blocks": args.pool_blocks,
-                   "cost_pool_blocks": args.cost_pool_blocks, "summary": summary, "runs": runs}, f, indent=2)
-    print(f"wrote {args.out}")
-
+                   "repeats_done": len(runs["off"]), "repeats": args.repeats, "waves": args.waves, "wave_size": size,
+                   "pool_blocks": args.pool_blocks, "cost_pool_blocks": args.cost_pool_blocks,
+                   "cost_new_tokens": args.cost_new_tokens, "summary": summary, "runs": slim}, f, indent=2)
 
 if __name__ == "__main__":
     main()

@@ -302,7 +302,8 @@ class Engine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (e.g. so a benchmark repeat prefills cold);
-        returns how many were dropped. Blocks held by running requests stay registered."""
+        returns how many were dropped (not published: the KV tiers keep only what they had).
+        Blocks held by running requests stay registered."""
         return self.allocator.evict_cached()
 
     def _slot_usage(self) -> tuple[int, int]:
@@ -310,7 +311,7 @@ class Engine:
         return slot_usage(self.scheduler.running, self.runner.block_size)
 
     def kv_stats(self) -> dict:
-        """Pool occupancy and prefix-cache counters.
+        """Pool occupancy, prefix-cache counters, and the KV tiers' (``kv_tiers``: one dict per tier).
 
         ``blocks_free`` includes ``blocks_cached_free`` (cached, unreferenced, evictable);
         ``blocks_cached`` counts every registered block, referenced or not.
