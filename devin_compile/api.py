@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from .optimized_model import OptimizedModel
 from .runtime.engine import Engine
 from .runtime.kv_cache import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .runtime.kv_prune import active_config as active_kv_prune
+from .runtime.kv_tiers import KVTiers
 from .runtime.model_runner import ModelRunner
 from .runtime.scratch import scratch_step, scratch_steps
 
@@ -70,13 +72,29 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     runner = ModelRunner(program, cache, vocab_size=info.vocab_size, backend=backend, device=info.device)
     engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                     tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,
-                    kv_prune=config.kv_prune)
+                    kv_prune=config.kv_prune, kv_tiers=_kv_tiers(config, model, quant, cache))
     opt = OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
                          hf_config=getattr(model, "config", None))
     opt.quant_result = quant[0] if quant is not None else None
     opt.precision_table = ctx.extras.get("precision_table", [])
     opt.quant_note = next((r.note for r in report.records if r.name == "assign_precision"), "")
     return opt
+
+
+def _kv_tiers(config: OptimizeConfig, model: torch.nn.Module, quant, pool: PagedKVCache) -> KVTiers | None:
+    """The KV tiers under ``pool``, keyed by what the K/V depend on: the weights (a sampled digest),
+    the model config, the quantization, and (in :meth:`KVTiers.for_model`) dtype, layout, block size."""
+    if not config.kv_cache_tiers:
+        return None
+    from .cache import sampled_state_dict_digest
+
+    hf = getattr(model, "config", None)
+    facts = {k: v for k, v in (hf.to_dict() if hf is not None else {}).items()
+             if not k.startswith("_") and k != "transformers_version"}
+    quantization = None if quant is None else json.dumps([quant[0].fingerprint, repr(quant[1])], sort_keys=True,
+                                                         default=str)
+    return KVTiers.for_model(config.kv_cache_tiers, pool, weights_digest=sampled_state_dict_digest(model.state_dict()),
+                             quantization=quantization, model_config=json.dumps(facts, sort_keys=True, default=str))
 
 
 def _resolve_quantization(model: torch.nn.Module, tokenizer, config: OptimizeConfig):

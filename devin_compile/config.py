@@ -202,6 +202,7 @@ class OptimizeConfig:
     # to calibrate and quantize now, or ``quantized="dir/"`` to load a saved artifact.
     quantization: Any = None
     quantized: str | None = None
+    kv_cache_tiers: Any = None  # list of tier dicts, fastest first (devin_compile/cache/config.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -232,6 +233,9 @@ class OptimizeConfig:
             raise ValueError("kv_prune= with compile_decode=True is not supported yet (the ahead-compiled decode "
                              "callables would need the kv_prune nodes kept opaque); drop one of them")
         self._check_quantization()
+        from .cache.config import coerce as coerce_kv_cache_tiers  # lazily, like quant's
+
+        self.kv_cache_tiers = coerce_kv_cache_tiers(self.kv_cache_tiers)
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
 

@@ -9,7 +9,7 @@ This package sits at the runtime's floor and imports nothing else of devin_compi
 """
 from .base import CacheBackend, CacheStats, EvictCallback, Key
 from .clock import SteadyClock
-from .keys import kv_block_key, model_fingerprint, state_dict_digest
+from .keys import kv_block_key, model_fingerprint, sampled_state_dict_digest, state_dict_digest
 from .kv_block import KVBlockCodec
 from .lru import LRUCache
 from .manager import CacheManager, Codec
@@ -21,5 +21,6 @@ from .ttl import TTLCache
 __all__ = [
     "CacheBackend", "CacheManager", "CacheStats", "Codec", "EvictCallback", "FORMAT_VERSION", "KVBlockCodec",
     "Key", "LRUCache", "RedisCache", "RejectedValue", "SteadyClock", "TTLCache", "TensorCodec", "TieredCache",
-    "decode_tensor", "encode_tensor", "kv_block_key", "model_fingerprint", "read_header", "state_dict_digest",
+    "decode_tensor", "encode_tensor", "kv_block_key", "model_fingerprint", "read_header", "sampled_state_dict_digest",
+    "state_dict_digest",
 ]

@@ -12,6 +12,7 @@ With ``enable_prefix_caching`` (the default) full KV blocks are shared between r
 with a common prefix (see :mod:`~devin_compile.runtime.prefix_cache`); after every step
 the scheduler registers the blocks the step completed. ``debug_checks=True`` asserts
 before every step that no slot it writes lies in a shared or registered block.
+``kv_tiers`` (:class:`~devin_compile.runtime.kv_tiers.KVTiers`) keeps evicted prefix blocks below the pool.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from ..config import KVPruneConfig
 from .engine_metrics import SLOT_SAMPLE_EVERY, EngineMetrics, slot_usage
 from .kv_cache import BlockAllocator
 from .kv_prune import KVPruner, resolve_request
+from .kv_tiers import KVTiers
 from .prefix_cache import PrefixCache
 from .request_output import RequestError, RequestOutput
 from .runner_protocol import Runner
@@ -46,7 +48,8 @@ class Engine:
 
     def __init__(self, runner: Runner, config: SchedulerConfig, *, max_model_len: int,
                  eos_token_ids: Seq[int] = (), tokenizer=None, enable_prefix_caching: bool = True,
-                 debug_checks: bool = False, kv_prune: KVPruneConfig | None = None) -> None:
+                 debug_checks: bool = False, kv_prune: KVPruneConfig | None = None,
+                 kv_tiers: KVTiers | None = None) -> None:
         if kv_prune is not None and not isinstance(kv_prune, KVPruneConfig):
             raise TypeError(f"Engine(kv_prune=) takes a KVPruneConfig or None (resolved by optimize()), "
                             f"got {type(kv_prune).__name__}")
@@ -59,9 +62,13 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
         self.debug_checks = debug_checks
+        if kv_tiers is not None and (not enable_prefix_caching or kv_tiers.pool is not runner.kv_cache):
+            raise ValueError("kv_tiers need prefix caching on and must be built over this runner's KV pool")
+        self.kv_tiers = kv_tiers
         self.prefix_cache = PrefixCache(runner.block_size) if enable_prefix_caching else None
-        self.allocator = BlockAllocator(runner.kv_cache.num_blocks, self.prefix_cache)
-        self.scheduler = Scheduler(config, self.allocator, runner.block_size)
+        self.allocator = BlockAllocator(runner.kv_cache.num_blocks, self.prefix_cache,
+                                        on_evict=kv_tiers.publish if kv_tiers is not None else None)
+        self.scheduler = Scheduler(config, self.allocator, runner.block_size, kv_tiers)
         self.kv_prune = kv_prune
         self.pruner = (KVPruner(kv_prune, self.allocator, self.scheduler, runner.kv_cache, runner.backend)
                        if kv_prune is not None else None)
@@ -295,7 +302,8 @@ class Engine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (e.g. so a benchmark repeat prefills cold);
-        returns how many were dropped. Blocks held by running requests stay registered."""
+        returns how many were dropped (not published: the KV tiers keep only what they had).
+        Blocks held by running requests stay registered."""
         return self.allocator.evict_cached()
 
     def _slot_usage(self) -> tuple[int, int]:
@@ -303,7 +311,7 @@ class Engine:
         return slot_usage(self.scheduler.running, self.runner.block_size)
 
     def kv_stats(self) -> dict:
-        """Pool occupancy and prefix-cache counters.
+        """Pool occupancy, prefix-cache counters, and the KV tiers' (``kv_tiers``: one dict per tier).
 
         ``blocks_free`` includes ``blocks_cached_free`` (cached, unreferenced, evictable);
         ``blocks_cached`` counts every registered block, referenced or not.
@@ -337,4 +345,6 @@ class Engine:
             })
         if self.pruner is not None:
             stats.update(self.pruner.stats())
+        if self.kv_tiers is not None:
+            stats.update(self.kv_tiers.stats())
         return stats

@@ -25,11 +25,11 @@ import math
 import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence as Seq
+from typing import Callable, Iterable, Sequence as Seq
 
 import torch
 
-from .prefix_cache import PrefixCache
+from .prefix_cache import CachedBlock, PrefixCache
 
 
 class KVCacheExhaustedError(RuntimeError):
@@ -155,11 +155,15 @@ class BlockAllocator:
     first). :meth:`allocate` pops from the front, so it takes uncached blocks first and
     then evicts the least recently used cached block (dropping its index entry); it first
     tries the block right after the sequence's last one, when that is free and uncached.
+    ``on_evict`` (the KV tiers' ``publish``) gets the entries one :meth:`allocate` evicted,
+    before it returns, while the blocks still hold their content.
     """
 
-    def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None = None,
+                 on_evict: Callable[[list[CachedBlock]], None] | None = None) -> None:
         self.num_blocks = num_blocks
         self.prefix_cache = prefix_cache
+        self.on_evict = on_evict
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_count = [0] * num_blocks
         self._cached_free = 0
@@ -192,17 +196,21 @@ class BlockAllocator:
                 "Raise kv_cache_memory / num_kv_blocks, or lower max_num_seqs / max_new_tokens."
             )
         out = []
+        evicted: list[CachedBlock] = []
         for _ in range(n):
             b = self._take_next(after)
             if b is None:
                 b, _ = self._free.popitem(last=False)
                 if self._cached_free and b in self.prefix_cache:  # no uncached block left: evict the LRU one
+                    evicted.append(self.prefix_cache.entry_of(b))
                     self.prefix_cache.evict(b)
                     self._cached_free -= 1
             self.ref_count[b] = 1
             out.append(b)
             after = b
         self._note_used()
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def _take_next(self, after: int | None) -> int | None:

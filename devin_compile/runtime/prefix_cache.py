@@ -75,6 +75,7 @@ class CachedBlock:
     parent: int  # id of the previous block's entry; ROOT for block 0
     tokens: tuple[int, ...]
     id: int
+    publish: bool = True  # may go to the KV tiers when evicted (False: registered by a KV-pruning sequence)
 
 
 class PrefixChain:
@@ -165,10 +166,10 @@ class PrefixCache:
             parent = e.id
         return blocks, ids
 
-    def insert(self, block: int, h: int, parent: int, tokens: Seq[int]) -> CachedBlock:
+    def insert(self, block: int, h: int, parent: int, tokens: Seq[int], publish: bool = True) -> CachedBlock:
         if h in self._by_hash or block in self._by_block:
             raise RuntimeError(f"block {block} / hash {h:#x} is already registered")
-        e = CachedBlock(block, h, parent, tuple(tokens), next(self._ids))
+        e = CachedBlock(block, h, parent, tuple(tokens), next(self._ids), publish)
         self._by_hash[h] = e
         self._by_block[block] = e
         return e

@@ -29,17 +29,27 @@ sums them over the request's admissions (a preempted request that hits again cou
 again). After each step :meth:`Scheduler.commit` registers the blocks that became full;
 a block computed twice (identical prompts admitted together) is folded onto the
 registered copy.
+
+KV tiers (:class:`~devin_compile.runtime.kv_tiers.KVTiers`, optional): after the pool's match, the
+next blocks of the chain are looked up in the tiers and copied into freshly allocated blocks;
+they count as computed (``metrics.tier_hit_tokens``) and are registered at once, like computed
+blocks. The lookup runs only once the request is sure to be admitted, and as many found blocks
+are taken as the step's free blocks allow.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import SchedulerConfig
 from .kv_cache import BlockAllocator
 from .prefix_cache import ROOT, PrefixChain
 from .sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from .kv_tiers import KVTiers
 
 
 @dataclass
@@ -60,8 +70,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
+                 kv_tiers: "KVTiers | None" = None) -> None:
         self.config = config
+        self.kv_tiers = kv_tiers
         self.allocator = allocator
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
@@ -199,6 +211,15 @@ class Scheduler:
                     plan.failed.append((seq, self._too_big(hit_tokens + n)))
                     continue
                 break
+            loaded = self._tier_lookup(seq, len(hits))
+            while loaded:  # take as many found blocks as the free blocks allow (none: as admitted above)
+                tier_tokens = len(loaded) * self.block_size
+                n_l = min(seq.num_tokens - hit_tokens - tier_tokens, budget)
+                need_l = self.blocks_needed(hit_tokens + tier_tokens + n_l) - len(hits)
+                if self.allocator.can_allocate(need_l + revive):
+                    n, need = n_l, need_l
+                    break
+                loaded.pop()
             if hits:
                 for b in hits:  # take the hits before allocating, so allocation cannot evict them
                     self.allocator.acquire(b)
@@ -213,6 +234,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if loaded:
+                self._install(seq, len(hits), loaded)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return plan
@@ -226,6 +249,25 @@ class Scheduler:
         if max_blocks <= 0:
             return [], []
         return self.prefix_cache.match(self._chains[seq.request_id], seq.all_ids, max_blocks)
+
+    def _tier_lookup(self, seq: Sequence, start: int) -> list:
+        """K/V of the chain blocks after the ``start`` the pool matched, as far as the tiers hold them."""
+        if self.kv_tiers is None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size  # leave >= 1 token to compute
+        hashes = self._chains[seq.request_id].hashes[start:max_blocks]
+        if not hashes or self.prefix_cache.get(hashes[0]) is not None:
+            return []  # nothing to look up, or the pool has the hash for other content (a collision)
+        return self.kv_tiers.lookup(hashes)
+
+    def _install(self, seq: Sequence, start: int, loaded: list) -> None:
+        """Write blocks found in the tiers after ``seq``'s first ``start`` blocks; count them computed
+        and register them like computed blocks."""
+        self.kv_tiers.write(seq.block_table[start:start + len(loaded)], loaded)
+        tokens = len(loaded) * self.block_size
+        seq.num_computed += tokens
+        seq.metrics.tier_hit_tokens += tokens
+        self.commit(seq)
 
     def commit(self, seq: Sequence) -> None:
         """After a step computed ``seq``'s tokens: register its blocks that just became full."""
@@ -246,7 +288,7 @@ class Scheduler:
             h = chain.hashes[j]
             e = cache.get(h)
             if e is None:
-                e = cache.insert(table[j], h, parent, block_tokens)
+                e = cache.insert(table[j], h, parent, block_tokens, publish=seq.kv_prune_config is None)
             elif cache.trusted(e, parent, block_tokens):
                 if e.block != table[j]:  # computed twice (admitted together): share the registered copy
                     self.allocator.acquire(e.block)

@@ -31,6 +31,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    tier_hit_tokens: int = 0  # prompt tokens whose K/V were loaded from the KV tiers (runtime/kv_tiers.py)
     # KV pruning (runtime/kv_prune/); zero for requests that do not prune.
     kv_evicted_tokens: int = 0
     kv_freed_blocks: int = 0
