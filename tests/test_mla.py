@@ -164,3 +164,24 @@ def test_mla_with_kv_pruning_is_refused():
     with pytest.raises(PassError, match=r"multi-head latent attention.*drop kv_prune="):
         optimize(_model("deepseek_v3"), num_kv_blocks=16,
                  kv_prune=dict(threshold=0.0, step_interval=2, sink_tokens=2, recent_tokens=4, max_tokens=20))
+
+
+def test_mla_latent_blocks_restore_from_a_host_tier():
+    """MLA's one-plane latent blocks go to a host tier when the pool evicts them and come back
+    (the KV block codec carries the pool's planes), with greedy output unchanged."""
+    model = _model("deepseek_v3")
+    kw = dict(attention_backend="torch_reference", block_size=4, num_kv_blocks=12)
+    opt = optimize(model, kv_cache_tiers=[{"backend": "host_lru", "max_bytes": 1 << 22}], **kw)
+    ref = optimize(model, enable_prefix_caching=False, **kw)
+    g = torch.Generator().manual_seed(5)
+    pre = torch.randint(3, 256, (28,), generator=g).tolist()
+    filler = torch.randint(3, 256, (40,), generator=g).tolist()  # evicts the preamble's cached blocks
+    prompt = pre + torch.randint(3, 256, (5,), generator=g).tolist()
+    first = opt.generate([pre], max_new_tokens=3, ignore_eos=True)
+    opt.generate([filler], max_new_tokens=3, ignore_eos=True)
+    again = opt.generate([prompt], max_new_tokens=6, ignore_eos=True)
+    assert first == ref.generate([pre], max_new_tokens=3, ignore_eos=True)
+    assert again == ref.generate([prompt], max_new_tokens=6, ignore_eos=True)
+    assert opt.engine.runner.kv_cache.spec.planes == 1
+    stats = opt.engine.kv_stats()
+    assert stats["kv_tier_loaded_blocks"] >= 1, stats
