@@ -358,3 +358,34 @@ def test_trace_file_gets_json_lines_and_tracing_is_off_by_default(server, client
     span = json.loads(lines[0])
     assert span["name"] == f"text_completion {MODEL}" and span["attributes"]["gen_ai.request.seed"] == 4
     assert span["attributes"]["gen_ai.usage.input_tokens"] == 1
+
+
+def test_kv_tier_metrics_and_restore_through_the_server():
+    """A server over an engine with a host KV tier: a prefix the small pool evicts comes back
+    from the tier (same text as the first answer), and /metrics shows the tier's counters."""
+    opt = tiny_chat_opt(num_kv_blocks=10, block_size=4, max_num_seqs=4,
+                        kv_cache_tiers=[{"backend": "host_lru", "max_bytes": 1 << 22}])
+    prompt = "Once upon a time there was a story about a very long preamble that fills several blocks"
+    filler = "Tell me about the sea and the mountains and the rivers and the old towns by the coast, slowly"
+    srv = Server(opt, MODEL)
+    with BackgroundServer(srv) as bg:
+        srv.url = bg.url
+        c = OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+        c.completions.create(model=MODEL, prompt=filler, max_tokens=6, temperature=0)
+        again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+        m = metrics(srv)
+    assert again == first
+    assert m['devin_kv_tier_hits_total{tier="0:host_lru"}'] >= 1
+    assert m['devin_kv_tier_bytes{tier="0:host_lru"}'] > 0
+    assert m['devin_kv_tier_rejected_total{tier="0:host_lru"}'] == 0
+
+
+def test_serve_cli_kv_cache_tier_flags():
+    from devin_compile.cli import serve as serve_cli
+
+    p = __import__("argparse").ArgumentParser()
+    serve_cli.add_arguments(p)
+    args = p.parse_args(["--kv-cache-host-bytes", "1048576", "--kv-cache-redis", "redis://127.0.0.1:6379/0"])
+    tiers = serve_cli.optimize_options(args)["kv_cache_tiers"]
+    assert [t["backend"] if isinstance(t, dict) else t.backend for t in tiers] == ["host_lru", "redis"]

@@ -49,6 +49,11 @@ def add_optimize_arguments(p) -> None:
                    help="longest prompt + completion in tokens (default: the model's context)")
     p.add_argument("--num-kv-blocks", type=common.int_at_least(1), metavar="N",
                    help="KV-cache blocks in the pool (default: sized from free memory)")
+    p.add_argument("--kv-cache-host-bytes", type=common.int_at_least(1), metavar="BYTES",
+                   help="keep prefix KV blocks the pool evicts in a host-memory LRU tier of this many bytes")
+    p.add_argument("--kv-cache-redis", metavar="URL",
+                   help="share prefix KV blocks across replicas through Redis, e.g. redis://127.0.0.1:6379/0 "
+                        "(the last tier, below --kv-cache-host-bytes)")
 
 
 def add_arguments(p) -> None:
@@ -86,6 +91,13 @@ def optimize_options(args) -> dict:
     for flag in ("max_num_seqs", "max_model_len", "num_kv_blocks"):
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
+    tiers = []
+    if args.kv_cache_host_bytes is not None:
+        tiers.append({"backend": "host_lru", "max_bytes": args.kv_cache_host_bytes})
+    if args.kv_cache_redis is not None:
+        tiers.append({"backend": "redis", "url": args.kv_cache_redis})
+    if tiers:
+        options["kv_cache_tiers"] = tiers
     return common.check_options(args, **options)
 
 

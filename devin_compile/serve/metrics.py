@@ -45,6 +45,31 @@ class _EngineCollector:
                                   value=hits)
         yield CounterMetricFamily("devin_preemptions", "Sequences preempted for KV space",
                                   value=e.metrics.preemptions)
+        if e.kv_tiers is not None:
+            yield from _tier_metrics(e.kv_tiers.stats())
+
+
+def _tier_metrics(stats: dict):
+    """Per KV-cache tier (label ``tier``: its position and backend, e.g. ``0:host_lru``)."""
+    families = {
+        "hits": CounterMetricFamily("devin_kv_tier_hits", "Prefix KV blocks loaded from a cache tier",
+                                    labels=["tier"]),
+        "misses": CounterMetricFamily("devin_kv_tier_misses", "Prefix KV block lookups a cache tier missed",
+                                      labels=["tier"]),
+        "rejected": CounterMetricFamily("devin_kv_tier_rejected", "Cache-tier values rejected (header mismatch) "
+                                        "and recomputed", labels=["tier"]),
+        "errors": CounterMetricFamily("devin_kv_tier_errors", "Cache-tier store faults (e.g. Redis down)",
+                                      labels=["tier"]),
+        "load_seconds": CounterMetricFamily("devin_kv_tier_load_seconds", "Time spent loading from a cache tier",
+                                            labels=["tier"]),
+        "bytes": GaugeMetricFamily("devin_kv_tier_bytes", "Bytes a cache tier holds", labels=["tier"]),
+    }
+    for i, t in enumerate(stats["kv_tiers"]):
+        label = [f"{i}:{t['backend']}"]
+        for key in ("hits", "misses", "rejected", "errors", "bytes"):
+            families[key].add_metric(label, t[key] or 0)
+        families["load_seconds"].add_metric(label, t["load_ms"] / 1e3)
+    yield from families.values()
 
 
 class ServerMetrics:
