@@ -367,7 +367,17 @@ def test_kv_tier_metrics_and_restore_through_the_server():
                         kv_cache_tiers=[{"backend": "host_lru", "max_bytes": 1 << 22}])
     prompt = "Once upon a time there was a story about a very long preamble that fills several blocks"
     filler = "Tell me about the sea and the mountains and the rivers and the old towns by the coast, slowly"
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from devin_compile.serve.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     srv = Server(opt, MODEL)
+    srv.tracing = Tracing(provider)
     with BackgroundServer(srv) as bg:
         srv.url = bg.url
         c = OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -379,6 +389,9 @@ def test_kv_tier_metrics_and_restore_through_the_server():
     assert m['devin_kv_tier_hits_total{tier="0:host_lru"}'] >= 1
     assert m['devin_kv_tier_bytes{tier="0:host_lru"}'] > 0
     assert m['devin_kv_tier_rejected_total{tier="0:host_lru"}'] == 0
+    last = exporter.get_finished_spans()[-1]  # the third request's span marks the tier hit
+    hits = [e for e in last.events if e.name == "kv_tier_hit"]
+    assert hits and hits[0].attributes["tokens"] >= 4
 
 
 def test_serve_cli_kv_cache_tier_flags():

@@ -7,7 +7,8 @@ temperature, top_p, top_k, seed, stop_sequences, choice.count, stream}``,
 ``gen_ai.response.{id, model, finish_reasons}``, ``gen_ai.usage.{input,output}_tokens``,
 ``http.response.status_code``. Events mark each choice's life in the engine: ``scheduled``
 (left the queue; prefill begins), ``first_token`` (prefill done; decode begins), ``finished``,
-and, when they happened, ``prefix_cache_hit`` (tokens), ``preempted`` (times) and
+and, when they happened, ``prefix_cache_hit`` (tokens), ``kv_tier_hit`` (tokens loaded from the KV
+cache tiers), ``preempted`` (times) and
 ``kv_pruned`` (evicted tokens).
 
 Off unless asked for (:func:`make_tracing` returns None, and the server then makes no
@@ -118,6 +119,9 @@ class Tracing:
                 span.add_event("scheduled", who, timestamp=self._ns(m.first_scheduled))
             if m.prefix_hit_tokens:
                 span.add_event("prefix_cache_hit", {**who, "tokens": m.prefix_hit_tokens},
+                               timestamp=self._ns(m.first_scheduled or m.arrival))
+            if m.tier_hit_tokens:
+                span.add_event("kv_tier_hit", {**who, "tokens": m.tier_hit_tokens},
                                timestamp=self._ns(m.first_scheduled or m.arrival))
             if m.first_token is not None:
                 span.add_event("first_token", who, timestamp=self._ns(m.first_token))
