@@ -48,10 +48,10 @@ def test_calibrate_run_validate_on_smollm2(tmp_path, capsys):
 
 
 def _text(tmp_path) -> str:
-    """A slice of tinyshakespeare long enough for 2 x 128 calibration and evaluation tokens."""
-    from devin_compile.quant.calibration import default_data_path
+    """A slice of the shipped calibration set's dialogue long enough for 2 x 128 calibration and evaluation tokens."""
+    from devin_compile.quant.corpus import default_data_dir
 
-    text = default_data_path().read_text()[:20000]
+    text = (default_data_dir() / "dialogue-shakespeare.txt").read_text()[:20000]
     path = tmp_path / "slice.txt"
     path.write_text(text)
     return str(path)
