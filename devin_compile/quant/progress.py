@@ -20,7 +20,7 @@ class Progress:
         if progress is True:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
         elif progress not in (False, None) and self.fn is None:
             raise ValueError(f"progress={progress!r} must be True, False or a callable fn(done, total, ...)")
         self.total = total
