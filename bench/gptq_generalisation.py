@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from devin_compile.backends.int4 import format as fmt  # noqa: E402
 from devin_compile.models import load_model  # noqa: E402
 from devin_compile.quant import awq, gptq  # noqa: E402
-from devin_compile.quant.calibration import collect_stats  # noqa: E402
+from devin_compile.quant.calibration import CalibrationStats, collect_stats  # noqa: E402
 from devin_compile.quant.corpus import interleave, load_token_stream, token_chunks  # noqa: E402
 
 from quant_domains import SHAKESPEARE, domain_sources  # noqa: E402
@@ -44,7 +44,9 @@ VARIANTS = {
 }
 
 
-def quantize(w, h, g, damp=0.01, act_order=True, clip=True, clip_only=False):
+def quantize(w, h, g, damp=0.01, act_order=True, clip=True, clip_only=False, shrink=0.0):
+    if shrink:  # shrink the Hessian towards its diagonal (keeps per-channel scales, drops correlations)
+        h = (1 - shrink) * h + shrink * torch.diag(torch.diag(h))
     if clip_only:
         sc, mn = awq.clip_search(w, h, g)
         return fmt.dequantize(fmt.quantize_with(w, sc, mn, g), sc, mn, g)
@@ -58,6 +60,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 7, 14, 21, 29])
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--calibs", nargs="+", default=["shakespeare", "shipped mix"], choices=["shakespeare", "shipped mix"])
+    ap.add_argument("--variants", nargs="*", default=None, help="option dicts (JSON) instead of the built-in list")
+    ap.add_argument("--cache", default=None, metavar="DIR", help="keep the statistics here and reuse them")
     ap.add_argument("--out", default="bench/results/gptq-generalisation.json")
     args = ap.parse_args()
     model, tok = load_model(None, torch.float32)
@@ -66,16 +71,28 @@ def main() -> int:
     # 2 x 512 tokens from the end of each held-out domain (the slices bench/quant_domains.py evaluates on)
     held = interleave([torch.cat(token_chunks(load_token_stream(tok, f), 2, 512, from_end=True))
                        for f in held_files.values()])
-    hs = collect_stats(model, token_chunks(held, held.numel() // 512, 512), progress=False, fisher=False)
     calibs = {"shakespeare": str(SHAKESPEARE), "shipped mix": None}
-    stats = {name: collect_stats(model, token_chunks(load_token_stream(tok, d), args.chunks, 512), progress=False,
-                                 fisher=False) for name, d in calibs.items()}
+
+    def cached(name, chunks_fn):
+        path = Path(args.cache) / name.replace(" ", "-") if args.cache else None
+        if path is not None and path.exists():
+            return CalibrationStats.load(path)
+        st = collect_stats(model, chunks_fn(), progress=False, fisher=False)
+        if path is not None:
+            st.save(path)
+        return st
+
+    hs = cached("held-out", lambda: token_chunks(held, held.numel() // 512, 512))
+    stats = {name: cached(f"{name}-{args.chunks}", lambda d=calibs[name]: token_chunks(load_token_stream(tok, d),
+                                                                                   args.chunks, 512))
+             for name in args.calibs}
+    variants = VARIANTS if args.variants is None else {v: json.loads(v) for v in args.variants}
     print(f"statistics in {time.perf_counter() - t0:.0f} s ({hs.tokens} held-out tokens)", flush=True)
     want = {n for n in hs.linear_input if any(f"layers.{i}." in n for i in args.layers)}
     params = dict(model.named_modules())
     out = {"layers": args.layers, "chunks": args.chunks, "held_out_tokens": hs.tokens, "rows": []}
     for cname, st in stats.items():
-        for vname, opts in VARIANTS.items():
+        for vname, opts in variants.items():
             t1 = time.perf_counter()
             tot = {"calib": 0.0, "calib_rtn": 0.0, "held": 0.0, "held_rtn": 0.0}
             for n in sorted(want):
