@@ -55,7 +55,8 @@ def add_arguments(p) -> None:
     r.add_argument("--no-act-order", action="store_true",
                    help="GPTQ: columns in their natural order (default: by decreasing Hessian diagonal)")
     r.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ) / static clipped grid (GPTQ)")
-    r.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H) (default 0.01)")
+    r.add_argument("--damp", type=float, default=None,
+                   help="GPTQ dampening, a fraction of mean(diag H) (default 0.1)")
     r.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
     r.add_argument("--out", required=True, metavar="DIR",
@@ -141,7 +142,8 @@ def quantize(args) -> int:
     from ..quant.corpus import data_from_label, load_token_stream, token_chunks
 
     cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=args.target,
-                      act_order=not args.no_act_order, clip=not args.no_clip, damp=args.damp, lm_head=args.lm_head)
+                      act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
+                      **({} if args.damp is None else {"damp": args.damp}))
     calib = Path(args.calib)
     if not (calib / META_FILE).is_file() or not (calib / STATS_FILE).is_file():
         raise FileNotFoundError(f"--calib {calib} is not a calibration directory (needs {META_FILE} and {STATS_FILE}; "

@@ -77,7 +77,7 @@ class QuantConfig:
     group_size: int = 64
     target: Any = "all"
     act_order: bool = True  # GPTQ: visit columns by decreasing Hessian diagonal (static groups)
-    damp: float = 0.01  # GPTQ: dampening as a fraction of mean(diag H) (raised if Cholesky fails)
+    damp: float = 0.1  # GPTQ: dampening, a fraction of mean(diag H) (raised if Cholesky fails); see gptq.py
     clip: bool = True  # AWQ: clipping search; GPTQ: static groups on the clipping search's grid
     calib_chunks: int = 16
     calib_len: int = 512

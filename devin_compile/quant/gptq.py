@@ -34,7 +34,7 @@ def _damped_inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor
                      "calibrate on more (or more varied) text")
 
 
-def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: float = 0.01,
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: float = 0.1,
                   block_size: int = 128, act_order: bool = False,
                   grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """→ (q uint8 [N, K], scale [N, G], minv [N, G], info) in the format of :mod:`.int4`.
