@@ -145,3 +145,15 @@ def test_quant_config_progress_silences_optimize_path(tiny, capfd):
     cfg = QuantConfig(method="rtn", group_size=32, calib_chunks=2, calib_len=32, progress=False)
     quant.quantize_for_optimize(tiny, CharTokenizer(), cfg)
     assert capfd.readouterr().err == ""
+
+
+def test_cli_help_quotes_the_config_defaults():
+    import argparse
+
+    from devin_compile.cli import quantize as cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    run = p._subparsers._group_actions[0].choices["run"]
+    damp = next(a for a in run._actions if a.dest == "damp")
+    assert f"(default {QuantConfig().damp})" in damp.help and damp.default is None
