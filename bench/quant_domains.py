@@ -1,11 +1,11 @@
 """INT4 quality on text the calibration never saw: perplexity change per held-out domain.
 
-    python bench/quant_domains.py [--calib shipped shakespeare] [--methods rtn awq gptq] [--group-size 64]
+    python bench/quant_domains.py [--calib shipped|shakespeare ...] [--methods rtn awq gptq] [--group-size 64]
                                   [--eval-chunks 4] [--variants '{"damp": 0.1}' ...] [--out bench/results/quant-domains.json]
 
 SmolLM2-135M-Instruct (real weights, fp32). Calibration: 16 x 512 tokens of the set shipped
-in the package (``shipped``, the default) and, for comparison, of tinyshakespeare's start
-(``shakespeare``, what the project calibrated on before). Evaluation: ``--eval-chunks`` x 512
+in the package (``shipped``, the default) or, for comparison, of tinyshakespeare's start
+(``shakespeare``: what the project calibrated on before, with GPTQ's old dampening 0.01). Evaluation: ``--eval-chunks`` x 512
 tokens from the end of each domain's text, all of it kept out of the shipped calibration set:
 
 - ``shakespeare``: the end of ../shared/data/tinyshakespeare.txt (in-domain for ``shakespeare``
