@@ -3,8 +3,9 @@
     python bench/quant.py [--parts quality speed kernels] [--calib-chunks 16] [--eval-chunks 16]
                           [--methods rtn awq gptq] [--group-size 64] [--out bench/results/quant.json]
 
-Quality (fp32 model; calibration on the first ``--calib-chunks`` x 512 tokens of
-../shared/data/tinyshakespeare.txt, evaluation on its last ``--eval-chunks`` x 512 tokens):
+Quality (fp32 model; calibration on the first ``--calib-chunks`` x 512 tokens of the calibration
+set shipped in the package, evaluation on its last ``--eval-chunks`` x 512 tokens; held-out
+domains are bench/quant_domains.py's):
 perplexity, KL(ref ‖ quant) over the full vocabulary and top-1 agreement of the compiled
 INT4 model (``optimize(model, quantized=dir)``) against the unquantized HF model, for
 RTN / AWQ / GPTQ with every decoder linear INT4, then mixed precision from

@@ -102,7 +102,7 @@ def test_bad_numbers_are_refused_while_parsing(no_load, capsys, argv, message):
     (["run", "--attention-backend", "warp_speed"], "attention_backend='warp_speed' is unknown; valid: ["),
     (["run", "--prompt", " "], "--prompt must not be empty"),
     (["dump", "--out", "d", "--model", "/no/such/model"], "--model /no/such/model does not exist"),
-    (["quantize", "calibrate", "--data", "/no/such.txt", "--out", "x"], "--data /no/such.txt is not a file"),
+    (["quantize", "calibrate", "--data", "/no/such.txt", "--out", "x"], "--data /no/such.txt does not exist"),
     (["quantize", "validate", "--quantized", "/no/such/dir"], "--quantized /no/such/dir is not a directory"),
 ])
 def test_bad_options_are_refused_before_loading(no_load, capsys, argv, message):

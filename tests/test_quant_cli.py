@@ -1,6 +1,7 @@
 """``devin-compile quantize calibrate | run | validate`` end to end on the real SmolLM2 (small slices),
 and the CLI's answers to bad input."""
 import json
+import os
 
 import pytest
 
@@ -14,18 +15,27 @@ def test_bad_method_and_group_size_are_clear_errors(tmp_path, capsys):
     assert "group_size=100 is unsupported; valid: [32, 64, 128]" in capsys.readouterr().err
     assert main(["quantize", "run", "--calib", str(tmp_path), "--target", "half", "--out", str(tmp_path / "q")]) == 2
     assert "target 'half' is unknown" in capsys.readouterr().err
+    assert main(["quantize", "calibrate", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "c")]) == 2
+    assert "missing.txt does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_calibrate_run_validate_on_smollm2(tmp_path, capsys):
     calib, q = tmp_path / "calib", tmp_path / "q"
-    assert main(["quantize", "calibrate", "--data", _text(tmp_path), "--chunks", "2", "--chunk-len", "128",
-                 "--out", str(calib)]) == 0
+    folder = tmp_path / "more"
+    folder.mkdir()
+    (folder / "notes.md").write_text("# Notes\n\n- one\n- two\n" * 40)
+    # several --data paths (a file and a folder); --quiet: no progress bars
+    assert main(["quantize", "calibrate", "--data", _text(tmp_path), str(folder), "--chunks", "2", "--chunk-len", "128",
+                 "--quiet", "--out", str(calib)]) == 0
     meta = json.loads((calib / "calib.json").read_text())
     assert meta["tokens"] == 256 and len(meta["linear_input"]) == 211  # 7 linears x 30 layers + lm_head
+    assert meta["data"].split(os.pathsep) == [_text(tmp_path), str(folder / "notes.md")]
+    assert "calibrating" not in capsys.readouterr().out
     assert main(["quantize", "run", "--calib", str(calib), "--method", "rtn", "--group-size", "128",
                  "--out", str(q)]) == 0
     out = capsys.readouterr().out
+    assert "rtn INT4 g128" in out  # the per-linear progress bar
     assert "128 does not divide K=576: largest dividing size 64" in out
     assert main(["quantize", "validate", "--quantized", str(q), "--data", _text(tmp_path), "--chunks", "2",
                  "--chunk-len", "128"]) == 0
@@ -48,10 +58,10 @@ def test_calibrate_run_validate_on_smollm2(tmp_path, capsys):
 
 
 def _text(tmp_path) -> str:
-    """A slice of tinyshakespeare long enough for 2 x 128 calibration and evaluation tokens."""
-    from devin_compile.quant.calibration import default_data_path
+    """A slice of the shipped calibration set's dialogue long enough for 2 x 128 calibration and evaluation tokens."""
+    from devin_compile.quant.corpus import default_data_dir
 
-    text = default_data_path().read_text()[:20000]
+    text = (default_data_dir() / "dialogue-shakespeare.txt").read_text()[:20000]
     path = tmp_path / "slice.txt"
     path.write_text(text)
     return str(path)

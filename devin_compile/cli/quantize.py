@@ -25,8 +25,10 @@ def add_arguments(p) -> None:
         return stages.add_parser(name, help=text, description=text)
 
     def data_args(s, chunks: int):
-        s.add_argument("--data", default=None, metavar="FILE",
-                       help="text file (default: ../shared/data/tinyshakespeare.txt)")
+        s.add_argument("--quiet", action="store_true", help="no progress bars")
+        s.add_argument("--data", default=None, nargs="+", metavar="PATH",
+                       help="text files and/or folders of text files (default: the calibration set shipped in "
+                            "the package: prose, dialogue, technical docs, code, markup, five languages)")
         s.add_argument("--chunks", type=common.int_at_least(1), default=chunks, metavar="N",
                        help=f"number of token chunks (default {chunks})")
         s.add_argument("--chunk-len", type=common.int_at_least(2), default=512, metavar="N",
@@ -53,11 +55,13 @@ def add_arguments(p) -> None:
     r.add_argument("--no-act-order", action="store_true",
                    help="GPTQ: columns in their natural order (default: by decreasing Hessian diagonal)")
     r.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ) / static clipped grid (GPTQ)")
-    r.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H) (default 0.01)")
+    r.add_argument("--damp", type=float, default=None,
+                   help="GPTQ dampening, a fraction of mean(diag H) (default 0.1)")
     r.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
     r.add_argument("--out", required=True, metavar="DIR",
                    help="directory for quantized.safetensors + quant_config.json")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
     r.set_defaults(fn=quantize)
 
     v = stage("validate", "perplexity, KL, top-1, bytes and per-layer table (end of --data)")
@@ -71,30 +75,59 @@ def add_arguments(p) -> None:
 
 
 def _check_data(args) -> None:
-    if args.data is not None and not os.path.isfile(args.data):
-        raise FileNotFoundError(f"--data {args.data} is not a file (give a text file)")
+    for d in args.data or []:
+        if not os.path.exists(d):
+            raise FileNotFoundError(f"--data {d} does not exist (give text files or folders of text files)")
 
 
-def _progress(con, label: str):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class _Bars:
+    """Rich progress bars fed by the quant/ ``progress=`` callables; nothing at all with ``--quiet``."""
 
-    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=con,
-                    transient=False)
+    def __init__(self, con, quiet: bool):
+        self.prog = None
+        if not quiet:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=con, transient=False)
+        self.tasks: dict[str, int] = {}
+
+    def callback(self, label: str):
+        """``fn(done, total, *info)``: one bar per loop (AWQ's scale search, then its per-linear
+        loop, have different totals), showing the item in progress (``info[0]``)."""
+        if self.prog is None:
+            return False
+
+        def fn(done: int, total: int, *info) -> None:
+            key = f"{label}/{total}"
+            if key not in self.tasks:
+                self.tasks[key] = self.prog.add_task(label, total=total)
+            what = f"{label}: {info[0]}" if info else label
+            self.prog.update(self.tasks[key], completed=done, description=what)
+        return fn
+
+    def __enter__(self):
+        if self.prog is not None:
+            self.prog.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prog is not None:
+            self.prog.__exit__(*exc)
 
 
 def calibrate(args) -> int:
     _check_data(args)
     common.check_options(args)
-    from ..quant import calibration
+    from ..quant import calibration, corpus
 
     con = common.console()
     model, tok = common.load(args, con)
     stream = calibration.load_token_stream(tok, args.data)
     chunks = calibration.token_chunks(stream, args.chunks, args.chunk_len)
-    with _progress(con, f"calibrating on {args.chunks} x {args.chunk_len} tokens") as prog:
-        task = prog.add_task("calib", total=len(chunks))
-        stats = calibration.collect_stats(model, chunks, data=str(args.data or "tinyshakespeare (default)"),
-                                          progress=lambda i, n: prog.update(task, completed=i),
+    with _Bars(con, args.quiet) as bars:
+        stats = calibration.collect_stats(model, chunks, data=corpus.data_label(args.data),
+                                          progress=bars.callback(f"calibrating on {args.chunks} x {args.chunk_len} tokens"),
                                           fisher=not args.no_output_gradients)
     stats.save(args.out)
     grads = ", output gradients" if stats.fisher else ", no output gradients"
@@ -105,11 +138,12 @@ def calibrate(args) -> int:
 
 def quantize(args) -> int:
     from ..quant import QuantConfig, artifact, quantize_model, resolve_target
-    from ..quant.calibration import (META_FILE, STATS_FILE, CalibrationStats, load_token_stream,
-                                     quantizable_linears, token_chunks)
+    from ..quant.calibration import META_FILE, STATS_FILE, CalibrationStats
+    from ..quant.corpus import data_from_label, load_token_stream, token_chunks
 
     cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=args.target,
-                      act_order=not args.no_act_order, clip=not args.no_clip, damp=args.damp, lm_head=args.lm_head)
+                      act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
+                      **({} if args.damp is None else {"damp": args.damp}))
     calib = Path(args.calib)
     if not (calib / META_FILE).is_file() or not (calib / STATS_FILE).is_file():
         raise FileNotFoundError(f"--calib {calib} is not a calibration directory (needs {META_FILE} and {STATS_FILE}; "
@@ -118,12 +152,11 @@ def quantize(args) -> int:
     con = common.console()
     model, tok = common.load(args, con)
     stats = CalibrationStats.load(calib, model)
-    with _progress(con, f"{cfg.method} INT4 g{cfg.group_size}") as prog:
-        task = prog.add_task("quant", total=len(quantizable_linears(model, cfg.lm_head)))
-        result = quantize_model(model, stats, cfg, progress=lambda i, n, name: prog.update(task, completed=i))
+    with _Bars(con, args.quiet) as bars:
+        result = quantize_model(model, stats, cfg, progress=bars.callback(f"{cfg.method} INT4 g{cfg.group_size}"))
     if cfg.target["kind"] == "max_kl":
         with con.status(f"resolving target max_kl={cfg.target['value']} on calibration text ..."):
-            chunks = token_chunks(load_token_stream(tok, stats.data if Path(stats.data).exists() else None),
+            chunks = token_chunks(load_token_stream(tok, data_from_label(stats.data)),
                                   min(2, stats.num_chunks), stats.chunk_len)
             resolve_target(model, result, cfg, chunks)
     artifact.save(result, args.out)
@@ -163,9 +196,11 @@ def validate(args) -> int:
     con = common.console()
     model, tok = common.load(args, con)
     t0 = time.perf_counter()
-    with con.status(f"evaluating {args.chunks} x {args.chunk_len} tokens, quantized vs unquantized ..."):
+    with _Bars(con, args.quiet) as bars:
         rep = validate_artifact(model, tok, args.quantized, optimize=optimize, data=args.data, num_chunks=args.chunks,
-                                chunk_len=args.chunk_len, **options)
+                                chunk_len=args.chunk_len,
+                                progress=bars.callback(f"evaluating {args.chunks} x {args.chunk_len} tokens"),
+                                **options)
     rep["seconds"] = time.perf_counter() - t0
     md = validation_markdown(rep)
     common.print_markdown(con, md)

@@ -3,7 +3,7 @@
 Python API (the CLI ``devin-compile quantize calibrate|run|validate`` wraps these)::
 
     from devin_compile import quant
-    stats = quant.calibrate(model, tok)                       # tinyshakespeare, 16 x 512 tokens
+    stats = quant.calibrate(model, tok)                       # the shipped set, 16 x 512 tokens
     stats.save("calib/")                                      # stats.safetensors + calib.json
     result = quant.quantize(model, stats, method="awq", group_size=64)
     quant.save(result, "q/")                                  # quantized.safetensors + quant_config.json
@@ -11,7 +11,8 @@ Python API (the CLI ``devin-compile quantize calibrate|run|validate`` wraps thes
     report = quant.validate(model, tok, "q/", optimize=devin_compile.optimize)  # ppl, KL, top-1, bytes, layers
 
 Modules: ``config`` (QuantConfig, targets), ``calibration``, ``awq``, ``gptq``, ``quantize``
-(RTN/AWQ/GPTQ over every decoder linear), ``result`` (QuantResult, sensitivity), ``simulation``
+(RTN/AWQ/GPTQ over every decoder linear), ``corpus`` (data sources, chunks), ``progress``,
+``result`` (QuantResult, sensitivity), ``simulation``
 (the eager equivalent), ``kl_search`` (``max_kl`` targets), ``workflow`` (one call per step),
 ``artifact`` (save/load), ``evaluate`` (quality metrics, validate). The INT4 format itself is
 ``devin_compile.backends.int4.format``.

@@ -1,9 +1,8 @@
 """Calibration: real-text token chunks and per-input activation statistics.
 
-Data: ``../shared/data/tinyshakespeare.txt`` from the project root by default
-(``DEVIN_COMPILE_DATA`` or ``data=`` override). The text is tokenized once; calibration
-takes chunks from the start of the token stream and evaluation from its end
-(:func:`token_chunks`), so the two never overlap while both fit.
+Data: the calibration set shipped in the package by default, or files and folders
+(:mod:`.corpus`, which also cuts the token chunks: calibration from the start of the stream,
+evaluation from its end).
 
 Statistics (:func:`collect_stats`), gathered with forward hooks on the Hugging Face model,
 one entry per distinct *input* of the decoder's linears (q/k/v share one input, gate/up
@@ -33,58 +32,17 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
+
+from .corpus import (calibration_and_eval_chunks, load_token_stream,  # noqa: F401  (re-exported)
+                     token_chunks)
+from .progress import Progress, ProgressArg
 
 STATS_FILE = "stats.safetensors"
 META_FILE = "calib.json"
 FORMAT_VERSION = 1
-
-
-def default_data_path() -> Path:
-    env = os.environ.get("DEVIN_COMPILE_DATA")
-    if env:
-        return Path(env)
-    beside = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
-    if beside.exists():
-        return beside
-    # a checkout elsewhere (e.g. a CI clone not next to ../shared): the workspace's shared data
-    workspace = Path("/work/shared/data/tinyshakespeare.txt")
-    return workspace if workspace.exists() else beside
-
-
-def load_token_stream(tokenizer, data: str | os.PathLike | None = None) -> torch.Tensor:
-    """The whole data file as one int64 token stream (no special tokens)."""
-    path = Path(data) if data is not None else default_data_path()
-    if not path.exists():
-        raise FileNotFoundError(f"calibration/evaluation text {path} does not exist (give --data FILE)")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def token_chunks(stream: torch.Tensor, num_chunks: int, chunk_len: int, *, from_end: bool = False,
-                 what: str = "calibration") -> list[torch.Tensor]:
-    """``num_chunks`` consecutive chunks of ``chunk_len`` tokens from the start (or the end) of
-    ``stream``. Too short a stream is a ``ValueError`` saying how many tokens are needed."""
-    if num_chunks < 1 or chunk_len < 2:
-        raise ValueError(f"{what}: need num_chunks >= 1 and chunk_len >= 2, got {num_chunks} x {chunk_len}")
-    need = num_chunks * chunk_len
-    if stream.numel() < need:
-        raise ValueError(f"{what} text is too short: {num_chunks} chunks of {chunk_len} tokens need {need} "
-                         f"tokens, the text has {stream.numel()}; give a longer --data file or fewer chunks")
-    base = stream.numel() - need if from_end else 0
-    return [stream[base + i * chunk_len: base + (i + 1) * chunk_len] for i in range(num_chunks)]
-
-
-def calibration_and_eval_chunks(stream: torch.Tensor, calib: tuple[int, int], evaluation: tuple[int, int]):
-    """Disjoint calibration (start) and evaluation (end) chunks; an error if they would overlap."""
-    need = calib[0] * calib[1] + evaluation[0] * evaluation[1]
-    if stream.numel() < need:
-        raise ValueError(f"text is too short for disjoint slices: {calib[0]}x{calib[1]} calibration + "
-                         f"{evaluation[0]}x{evaluation[1]} evaluation tokens need {need}, the text has {stream.numel()}")
-    return (token_chunks(stream, *calib), token_chunks(stream, *evaluation, from_end=True, what="evaluation"))
 
 
 def decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -239,7 +197,7 @@ def _norm_producing(x: torch.Tensor, norm_out: dict[int, tuple[torch.Tensor, str
 
 
 def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
-                  progress: Callable[[int, int], None] | None = None, data: str = "",
+                  progress: ProgressArg = True, data: str = "",
                   fisher: bool = True) -> CalibrationStats:
     """Run ``chunks`` through ``model`` and accumulate :class:`CalibrationStats` (see module doc).
 
@@ -321,6 +279,7 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
             return start[0]
         handles.append(emb.register_forward_hook(emb_hook))
     device = next(model.parameters()).device
+    bar = Progress(progress, len(chunks), f"calibrating ({len(chunks)} x {int(chunks[0].numel())} tokens)")
     try:
         with torch.set_grad_enabled(fisher):
             for i, chunk in enumerate(chunks):
@@ -335,9 +294,9 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                 del out
                 start[0] = None
                 tokens += chunk.numel()
-                if progress is not None:
-                    progress(i + 1, len(chunks))
+                bar.update(i + 1)
     finally:
+        bar.__exit__()
         for h in handles:
             h.remove()
         live.clear()

@@ -7,6 +7,7 @@ A target says which linears end up INT4 (``all``, ``keep_fp=N``, ``int4_fraction
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -17,7 +18,7 @@ METHODS = ("rtn", "awq", "gptq")
 TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep", "max_kl")
 INT4_KERNELS = ("auto", "cpu", "cpu_c", "reference", "triton")
 # Keys that only steer how an already quantized model is compiled; the rest fix the weights.
-RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill")
+RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill", "progress")
 
 
 def parse_target(value: Any) -> dict:
@@ -76,16 +77,18 @@ class QuantConfig:
     group_size: int = 64
     target: Any = "all"
     act_order: bool = True  # GPTQ: visit columns by decreasing Hessian diagonal (static groups)
-    damp: float = 0.01  # GPTQ: dampening as a fraction of mean(diag H) (raised if Cholesky fails)
+    damp: float = 0.1  # GPTQ: dampening, a fraction of mean(diag H) (raised if Cholesky fails); see gptq.py
     clip: bool = True  # AWQ: clipping search; GPTQ: static groups on the clipping search's grid
     calib_chunks: int = 16
     calib_len: int = 512
-    data: str | None = None  # calibration text (default: ../shared/data/tinyshakespeare.txt)
+    # calibration text: a file, a folder or a list of them (default: the set shipped in the package)
+    data: Any = None
     kernel: str = "auto"  # auto: "cpu_c" on CPU (aten's "cpu" without a C compiler), "triton" on CUDA
     max_int4_tokens: int | None = None  # steps above this many tokens use the dense copy
     dense_prefill: bool = True  # keep a dense (dequantized) copy for steps above max_int4_tokens
     # also quantize the output head (lm_head; untied from a tied embedding, which stays in the model dtype)
     lm_head: bool = False
+    progress: bool = True  # tqdm bars on stderr for calibration and the per-layer loop (False: silent)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -96,6 +99,12 @@ class QuantConfig:
         one_of("quantization kernel", self.kernel, INT4_KERNELS)
         int_at_least("max_int4_tokens", self.max_int4_tokens, 0, optional=True)
         flag("lm_head", self.lm_head)
+        flag("progress", self.progress)
+        if self.data is not None and not isinstance(self.data, (str, os.PathLike)) and not (
+                isinstance(self.data, (list, tuple)) and self.data
+                and all(isinstance(d, (str, os.PathLike)) for d in self.data)):
+            raise ValueError(f"quantization data={self.data!r} must be a path (file or folder) or a non-empty "
+                             "list of paths")
         number_in("damp", self.damp, 0, 1, lo_open=True, hi_open=True)
         positive_int("calib_chunks", self.calib_chunks)
         int_at_least("calib_len", self.calib_len, 2)

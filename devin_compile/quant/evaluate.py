@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .calibration import load_token_stream, token_chunks
+from .corpus import DataArg, load_token_stream, token_chunks
+from .progress import Progress, ProgressArg
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -61,10 +62,12 @@ def reference_logits(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor]) -> lis
     return [logits_fn(c.reshape(1, -1))[0, :-1].float() for c in chunks]
 
 
-def compare(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> Quality:
+def compare(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor], ref: Sequence[torch.Tensor],
+            progress: ProgressArg = False) -> Quality:
     nll_ref = nll = kl = agree = 0.0
     n = 0
-    for chunk, r in zip(chunks, ref):
+    bar = Progress(progress, len(chunks), "evaluating")
+    for i, (chunk, r) in enumerate(zip(chunks, ref)):
         q = logits_fn(chunk.reshape(1, -1))[0, :-1].float()
         target = chunk[1:]
         lr, lq = torch.log_softmax(r, -1), torch.log_softmax(q, -1)
@@ -73,22 +76,27 @@ def compare(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor], ref: Sequence[t
         kl += float((lr.exp() * (lr - lq)).sum())
         agree += float((r.argmax(-1) == q.argmax(-1)).sum())
         n += target.numel()
+        bar.update(i + 1)
+    bar.__exit__()
     return Quality(math.exp(nll_ref / n), math.exp(nll / n), kl / n, agree / n, n)
 
 
 def validate(model: torch.nn.Module, tokenizer, quantized: str, *, optimize: Callable[..., Any],
-             data: str | None = None, num_chunks: int = 16, chunk_len: int = 512, **optimize_options: Any) -> dict:
+             data: DataArg = None, num_chunks: int = 16, chunk_len: int = 512, progress: ProgressArg = True,
+             **optimize_options: Any) -> dict:
     """Perplexity (fixed ``chunk_len`` chunks from the end of ``data``), KL vs the unquantized
     model over the full vocabulary, top-1 agreement, weight bytes and the per-layer table of the
     model compiled by ``optimize(model, tokenizer=..., quantized=..., **optimize_options)``
-    (pass ``devin_compile.optimize``)."""
+    (pass ``devin_compile.optimize``). ``data``: as for calibration (default: the shipped set, whose
+    end calibration never reaches; give held-out text to measure generalisation). ``progress``: a
+    bar over the evaluated chunks (False: silent)."""
     stream = load_token_stream(tokenizer, data)
     chunks = token_chunks(stream, num_chunks, chunk_len, from_end=True, what="evaluation")
     t0 = time.perf_counter()
     opt = optimize(model, tokenizer=tokenizer, quantized=quantized, **optimize_options)
     compile_s = time.perf_counter() - t0
     ref = reference_logits(hf_logits_fn(model), chunks)
-    quality = compare(optimized_logits_fn(opt), chunks, ref)
+    quality = compare(optimized_logits_fn(opt), chunks, ref, progress=progress)
     table = opt.precision_table
     return {"quantized": str(quantized), "quality": quality.as_dict(), "chunks": num_chunks, "chunk_len": chunk_len,
             "int4_bytes_total": sum(r["bytes"] for r in table),

@@ -11,6 +11,15 @@ block. ``act_order=True`` visits columns by decreasing ``H_ii``; groups are then
 front from the original weights ("static groups", so a group's columns share one grid
 whatever the visiting order); without it each group's grid is fitted when its first
 column is reached, on the already-updated weights.
+
+Generalisation (``bench/gptq_generalisation.py``, log in ``bench/results/``): GPTQ's error
+feedback fits the calibration text's activation correlations. Measured as layer output error
+relative to RTN's on the same text (5 of SmolLM2's 30 layers, 8 x 512 calibration tokens):
+calibrated on Shakespeare alone, 0.05x RTN on Shakespeare but 0.46x on licences, changelogs
+and CMake docs. The largest fix is the calibration text (the shipped mix: 0.28x held out);
+then dampening: 0.1 · mean(diag H) (the default) gives 0.26x, against 0.28x at 0.01 and at 0.3;
+shrinking ``H`` towards its diagonal did not help (0.28x); dropping the clipped static grid
+hurt (0.56x against 0.46x on Shakespeare-only statistics).
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ def _damped_inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor
                      "calibrate on more (or more varied) text")
 
 
-def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: float = 0.01,
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: float = 0.1,
                   block_size: int = 128, act_order: bool = False,
                   grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """→ (q uint8 [N, K], scale [N, G], minv [N, G], info) in the format of :mod:`.int4`.

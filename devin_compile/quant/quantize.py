@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -21,6 +21,7 @@ from . import awq, gptq
 from ..backends.int4 import format as fmt
 from .calibration import CalibrationStats, model_fingerprint, output_head, quantizable_linears
 from .config import QuantConfig
+from .progress import Progress, ProgressArg
 from .result import QLinear, QuantResult
 
 
@@ -42,10 +43,15 @@ def _is_qk(name: str) -> bool:
 
 
 def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: QuantConfig | Mapping | None = None,
-                   progress: Callable[[int, int, str], None] | None = None) -> QuantResult:
+                   progress: ProgressArg = None) -> QuantResult:
     """Quantize every decoder linear of ``model`` (not modified) with ``config.method``, and the
-    output head too with ``lm_head=True`` (its AWQ scale folds into the final norm)."""
+    output head too with ``lm_head=True`` (its AWQ scale folds into the final norm).
+
+    ``progress`` (:mod:`.progress`; default ``config.progress``): AWQ's scale search per input
+    group, then the per-linear loop; a callable gets ``(done, total, linear or input name)``."""
     cfg = QuantConfig.coerce(config) if config is not None else QuantConfig()
+    if progress is None:
+        progress = cfg.progress
     t0 = time.perf_counter()
     lins = quantizable_linears(model, cfg.lm_head)
     head = output_head(model)[0] if cfg.lm_head else None
@@ -68,7 +74,9 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
     if cfg.method == "awq":
         params = dict(model.named_parameters())
         unfolded = []
-        for key, names in groups.items():
+        search = Progress(progress, len(groups), "AWQ scale search")
+        for gi, (key, names) in enumerate(groups.items()):
+            search.update(gi, key)
             h, a = stats.hessian[key].float(), stats.absmean[key]
             norm = stats.producer.get(key)
             src = None if norm is not None else _fold_source(names[0], lins) if len(names) == 1 else None
@@ -83,11 +91,14 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                 overrides[pname] = (params[pname].detach().float().cpu() / s).to(params[pname].dtype)
             else:
                 row_scale[src] = 1.0 / s
+        search.update(len(groups))
+        search.__exit__()
         if unfolded:
             notes.append(f"AWQ: no preceding norm or linear to fold scales into for {len(unfolded)} linears "
                          f"(e.g. {unfolded[0]}): clipping search only")
 
     linears: dict[str, QLinear] = {}
+    bar = Progress(progress, len(weights), f"{cfg.method.upper()} INT4 g{cfg.group_size}")
     for i, (n, w) in enumerate(weights.items()):
         key = stats.linear_input[n]
         h = stats.hessian[key].float()
@@ -118,8 +129,8 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
             f = fisher.float() if s_row is None else fisher.float() / s_row.pow(2)
             loss_delta = 0.5 * float((f * row_err).sum())
         linears[n] = QLinear(q, sc, mn, g, why, err, signal, s_in, s_row, loss_delta)
-        if progress is not None:
-            progress(i + 1, len(weights), n)
+        bar.update(i + 1, n)
+    bar.__exit__()
     changed = sorted({why for _g, why in gsize.values() if why})
     notes.extend(f"group size: {why}" for why in changed)
     return QuantResult(cfg.method, cfg.bits, cfg.group_size, linears, overrides, model_fingerprint(model),

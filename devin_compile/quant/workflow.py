@@ -2,29 +2,34 @@
 :func:`quantize_for_optimize` (what ``optimize(model, quantization={...})`` runs)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .calibration import CalibrationStats, collect_stats, load_token_stream, token_chunks
+from .calibration import CalibrationStats, collect_stats
+from .corpus import DataArg, data_label, load_token_stream, token_chunks
+from .progress import ProgressArg
 from .config import QuantConfig
 from .kl_search import resolve_max_kl
 from .quantize import quantize_model
 from .result import QuantResult
 
 
-def calibrate(model: torch.nn.Module, tokenizer, data: str | None = None, num_chunks: int = 16, chunk_len: int = 512,
-              progress: Callable[[int, int], None] | None = None, fisher: bool = True) -> CalibrationStats:
+def calibrate(model: torch.nn.Module, tokenizer, data: DataArg = None, num_chunks: int = 16, chunk_len: int = 512,
+              progress: ProgressArg = True, fisher: bool = True) -> CalibrationStats:
     """Activation statistics of ``model`` on the first ``num_chunks x chunk_len`` tokens of ``data``
-    (and its output-gradient statistics unless ``fisher=False``: see :mod:`.calibration`)."""
+    (default: the calibration set shipped in the package; a file, a folder or a list: :mod:`.corpus`)
+    and its output-gradient statistics unless ``fisher=False`` (:mod:`.calibration`).
+    ``progress=False`` is silent (:mod:`.progress`)."""
     stream = load_token_stream(tokenizer, data)
     chunks = token_chunks(stream, num_chunks, chunk_len)
-    return collect_stats(model, chunks, progress=progress, data=str(data or "tinyshakespeare (default)"),
-                         fisher=fisher)
+    return collect_stats(model, chunks, progress=progress, data=data_label(data), fisher=fisher)
 
 
-def quantize(model: torch.nn.Module, stats: CalibrationStats, progress=None, **options: Any) -> QuantResult:
-    """Quantize every decoder linear (options: :class:`QuantConfig` keys)."""
+def quantize(model: torch.nn.Module, stats: CalibrationStats, progress: ProgressArg = None,
+             **options: Any) -> QuantResult:
+    """Quantize every decoder linear (options: :class:`QuantConfig` keys; ``progress`` defaults to
+    the ``progress`` option, True)."""
     return quantize_model(model, stats, QuantConfig.coerce(options), progress=progress)
 
 
@@ -35,7 +40,7 @@ def quantize_for_optimize(model: torch.nn.Module, tokenizer, qcfg: QuantConfig) 
                          "(or quantize beforehand and pass quantized='dir/')")
     stream = load_token_stream(tokenizer, qcfg.data)
     chunks = token_chunks(stream, qcfg.calib_chunks, qcfg.calib_len)
-    stats = collect_stats(model, chunks, data=str(qcfg.data or "tinyshakespeare (default)"))
+    stats = collect_stats(model, chunks, data=data_label(qcfg.data), progress=qcfg.progress)
     result = quantize_model(model, stats, qcfg)
     resolve_target(model, result, qcfg, chunks)
     return result
