@@ -48,8 +48,11 @@ class PrepackExperts(Pass):
             return f"model is on {info.device.type}, not CPU"
         if not prepack_supported(info.dtype):
             return f"oneDNN linear for {info.dtype} not available on this CPU"
-        if _fallback_op() is None:
+        target = _fallback_op()
+        if target is None:
             return "transformers registers no grouped_mm_fallback op (no MoE experts to match)"
+        if not any(is_call(n, target) for gm in program.graphs.values() for n in gm.graph.nodes):
+            return "no MoE expert GEMMs in the graph"
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
