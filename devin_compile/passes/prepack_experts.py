@@ -22,10 +22,10 @@ import torch.fx
 
 from .. import ops as _ops  # noqa: F401  (registers devin::grouped_linear)
 from ..graph_utils import counted_nodes, is_call, node_delta
-from ..ops.prepacked_linear import prepack_supported
 from ..pipeline import Pass, PassContext, PassResult, Program
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _param
+from .prepack_linear import PrepackLinear
 
 aten = torch.ops.aten
 _BATCH_HINT = 4
@@ -43,11 +43,9 @@ class PrepackExperts(Pass):
     name = "prepack_experts"
 
     def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
-        info = ctx.info
-        if info.device.type != "cpu":
-            return f"model is on {info.device.type}, not CPU"
-        if not prepack_supported(info.dtype):
-            return f"oneDNN linear for {info.dtype} not available on this CPU"
+        reason = PrepackLinear.skip_reason(self, program, ctx)  # the same CPU / oneDNN conditions
+        if reason is not None:
+            return reason
         target = _fallback_op()
         if target is None:
             return "transformers registers no grouped_mm_fallback op (no MoE experts to match)"
