@@ -8,7 +8,7 @@ Pattern → replacement (in ``decode``, and in ``prefill`` for the SnapKV-style 
     kv_prune(q, o, layer, scale, softcap)                 # no outputs; side-effecting
 
 The node folds the layer's attention mass into the pruning scores of the sequences that
-prune (see ``ops/kv_prune.py`` and ``runtime/kv_prune.py``); with no pruning sequence in a
+prune (see ``ops/kv_prune.py`` and ``runtime/kv_prune/``); with no pruning sequence in a
 step it returns at once. In the prefill graph it acts only for requests with
 ``prefill_window > 0`` whose prompt completes in the step (their last ``prefill_window``
 queries score the prompt, which is then pruned once). Invariants: exactly one node per

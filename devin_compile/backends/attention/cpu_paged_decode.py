@@ -7,7 +7,7 @@ before this one) did not vectorise its indirect loads. Measured on this 2-core A
 pool, 24 sequences of 300–600 cached tokens, SmolLM2's 9 query / 3 KV heads of 64, one layer,
 cache-warm): gather + SDPA 7.7–14 ms, the Inductor kernel 2.7 ms, this kernel 0.7 ms.
 
-Built, cached and loaded by :mod:`.c_build` (the system C compiler, ``-O3 -march=native
+Built, cached and loaded by :mod:`..native.build` (the system C compiler, ``-O3 -march=native
 -fopenmp``, ctypes); where no compiler works, :func:`load` returns None and callers keep
 their torch path.
 

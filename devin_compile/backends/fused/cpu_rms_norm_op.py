@@ -3,8 +3,8 @@
 aten's ``rms_norm`` is a composite on CPU (~9 dispatched ops, ~25 µs per call at one token on a
 2-core CPU); this kernel does the row in one pass for a few µs and hands every call it does not
 serve (non-contiguous x, a weight of another dtype) back to the op's Python kernel. Built like
-the int4 op's kernel (:class:`.c_build.TorchOpKernel`, ~10 s once, then cached);
-:mod:`~devin_compile.passes.fuse_rms_norm` loads it when it emits the op for a CPU graph.
+the int4 op's kernel (:class:`..native.build.TorchOpKernel`, ~10 s once, then cached);
+the pass :mod:`~devin_compile.passes.fuse_rms_norm` loads it through :func:`devin_compile.ops.rms_norm.load_cpu_kernel` when it emits the op for a CPU graph.
 """
 from __future__ import annotations
 

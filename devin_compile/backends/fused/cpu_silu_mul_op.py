@@ -1,7 +1,7 @@
 """Loads ``cpu_silu_mul_op.cpp``: a C++ CPU kernel for ``devin::silu_mul`` (the same aten calls
 as the op's Python kernel, without their Python dispatch). Built like the other C++ op kernels
-(:class:`.c_build.TorchOpKernel`, ~10 s once, then cached); :mod:`~devin_compile.passes.fuse_silu_mul`
-loads it when it emits the op for a CPU graph.
+(:class:`..native.build.TorchOpKernel`, ~10 s once, then cached); the pass :mod:`~devin_compile.passes.fuse_silu_mul`
+loads it through :func:`devin_compile.ops.silu_mul.load_cpu_kernel` when it emits the op for a CPU graph.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ the Python one) calls the C kernel directly and hands every call it does not ser
 Python kernel; the results are the same either way (tested).
 
 Built with the system C++ compiler (``$CXX``, else ``c++``/``g++``) against torch's headers,
-~10 s once, then cached like the C kernels (:class:`.c_build.TorchOpKernel`). :func:`load` is
+~10 s once, then cached like the C kernels (:class:`..native.build.TorchOpKernel`). :func:`load` is
 called when a "cpu_c" weight is prepared; without a C++ compiler it logs why once and the
 Python kernel serves every call.
 """

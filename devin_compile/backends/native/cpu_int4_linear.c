@@ -2,7 +2,7 @@
  * w[n, k] = q[n, k] * scale[n, k / g] + minv[n, k / g].
  *
  * Built and loaded by cpu_int4_linear.py (system C compiler, -O3 -march=native, OpenMP).
- * The torch reference (backends/int4.py, kernel "reference") is the oracle; tests compare.
+ * The torch reference (backends/int4/kernels.py, kernel "reference") is the oracle; tests compare.
  *
  * Layout: weight rows are interleaved in blocks of 16, so one vector holds the same columns of
  * 16 rows and its lanes accumulate 16 outputs at once (no horizontal sums, one vector store):

@@ -14,7 +14,7 @@
  * free-threaded build), so the slots need no lock. No memory is returned zeroed, as with the
  * allocator's malloc fallback, so CPython does not rely on it.
  *
- * Built by c_build.py; installed by py_arena_cache.py. */
+ * Built by backends/native/build.py; installed by runtime/py_arena_cache.py. */
 #include <stddef.h>
 #include <stdint.h>
 
