@@ -10,7 +10,7 @@ import torch
 
 from .backends.attention.registry import get_backend, select_attention_backend
 from .capture import ModelInfo, capture, model_info
-from .config import OptimizeConfig
+from .config import OptimizeConfig, SpeculativeConfig
 from .passes import default_passes
 from .passes.offload_embeddings import check_offload_layers
 from .pipeline import PassContext, PassManager, Probe, Program
@@ -21,6 +21,8 @@ from .runtime.kv_prune import active_config as active_kv_prune
 from .runtime.kv_tiers import KVTiers
 from .runtime.model_runner import ModelRunner
 from .runtime.scratch import scratch_step, scratch_steps
+from .runtime.speculative import SpeculativeDecoder
+from .speculation import build_proposer
 
 
 def make_probe(info: ModelInfo, device: torch.device, length: int = 12) -> Probe:
@@ -70,15 +72,28 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
         backend.warm_up(dtype=info.dtype, num_kv_heads=info.num_kv_heads, num_heads=info.num_heads,
                         head_dim=info.head_dim)
     runner = ModelRunner(program, cache, vocab_size=info.vocab_size, backend=backend, device=info.device)
+    proposers = _proposer_factory(model, tokenizer, info)
+    spec = (SpeculativeDecoder(config.speculative, proposers(config.speculative))
+            if config.speculative is not None else None)
     engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                     tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,
-                    kv_prune=config.kv_prune, kv_tiers=_kv_tiers(config, model, quant, cache))
+                    kv_prune=config.kv_prune, kv_tiers=_kv_tiers(config, model, quant, cache), speculative=spec)
     opt = OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
                          hf_config=getattr(model, "config", None))
+    opt.proposer_factory = proposers
     opt.quant_result = quant[0] if quant is not None else None
     opt.precision_table = ctx.extras.get("precision_table", [])
     opt.quant_note = next((r.note for r in report.records if r.name == "assign_precision"), "")
     return opt
+
+
+def _proposer_factory(model: torch.nn.Module, tokenizer, info: ModelInfo):
+    """config → proposer for this target (used at optimize() and by ``OptimizedModel.set_draft``)."""
+    def build(spec: SpeculativeConfig):
+        return build_proposer(spec, model, tokenizer, compile=optimize, target_vocab=info.vocab_size,
+                              target_dtype=info.dtype)
+
+    return build
 
 
 def _kv_tiers(config: OptimizeConfig, model: torch.nn.Module, quant, pool: PagedKVCache) -> KVTiers | None:

@@ -40,6 +40,7 @@ class OptimizedModel:
         self.quant_result = None  # the QuantResult compiled in (INT4 models)
         self.precision_table: list[dict] = []  # assign_precision's per-layer rows (INT4 models)
         self.quant_note = ""
+        self.proposer_factory = None  # SpeculativeConfig → proposer for this target (set by optimize())
 
     @property
     def program(self) -> Program:
@@ -60,6 +61,20 @@ class OptimizedModel:
         wait = getattr(self.engine.runner.backend, "wait_until_ready", None)
         if wait is not None:
             wait()
+
+    def set_draft(self, speculative: Any) -> None:
+        """Hot swap speculative decoding: ``{"method": "draft", "model": other}`` (any form
+        ``optimize(speculative=...)`` takes; None/False: off). Requests admitted from now on use it;
+        requests in flight finish on the proposer they started with. The new draft is compiled
+        before anything changes, so a bad one (``ValueError``) leaves the old one in place."""
+        from .config import SpeculativeConfig
+
+        config = SpeculativeConfig.coerce(speculative, "set_draft")
+        if config is not None and self.optimize_config.kv_prune is not None and self.optimize_config.kv_prune.enabled:
+            raise ValueError("set_draft: this model prunes every request's KV (kv_prune enabled), which speculation "
+                             "cannot be combined with")
+        proposer = self.proposer_factory(config) if config is not None else None
+        self.engine.set_proposer(proposer, config)
 
     def report(self) -> str:
         """One row per pass: status, time, matches, nodes before/after (markdown)."""

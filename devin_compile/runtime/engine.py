@@ -34,6 +34,7 @@ from .request_output import RequestError, RequestOutput
 from .runner_protocol import Runner
 from .sampling import SamplingParams, sample_batch
 from .scheduler import Scheduler
+from .speculative import SpeculativeDecoder
 from .sequence import Sequence, Status
 
 
@@ -49,7 +50,7 @@ class Engine:
     def __init__(self, runner: Runner, config: SchedulerConfig, *, max_model_len: int,
                  eos_token_ids: Seq[int] = (), tokenizer=None, enable_prefix_caching: bool = True,
                  debug_checks: bool = False, kv_prune: KVPruneConfig | None = None,
-                 kv_tiers: KVTiers | None = None) -> None:
+                 kv_tiers: KVTiers | None = None, speculative: SpeculativeDecoder | None = None) -> None:
         if kv_prune is not None and not isinstance(kv_prune, KVPruneConfig):
             raise TypeError(f"Engine(kv_prune=) takes a KVPruneConfig or None (resolved by optimize()), "
                             f"got {type(kv_prune).__name__}")
@@ -72,6 +73,7 @@ class Engine:
         self.kv_prune = kv_prune
         self.pruner = (KVPruner(kv_prune, self.allocator, self.scheduler, runner.kv_cache, runner.backend)
                        if kv_prune is not None else None)
+        self.spec = speculative
         self.requests: dict[str, Sequence] = {}
         self.metrics = EngineMetrics()
         self._ids = itertools.count()
@@ -104,8 +106,15 @@ class Engine:
                 f"request {rid}: needs {total} KV slots but the whole KV pool holds {pool_tokens}; "
                 "raise kv_cache_memory / num_kv_blocks or lower max_new_tokens"
             )
+        if params.speculative not in (None, False) and (self.spec is None or self.spec.proposer is None):
+            raise ValueError(f"request {rid}: SamplingParams.speculative is set but this model has no speculative "
+                             "decoding; pass speculative={'method': 'ngram'} (or draft/head) to optimize()")
         seq = Sequence(rid, ids, params, generator=params.make_generator(),
                        kv_prune_config=resolve_request(self.kv_prune, params))
+        if self.spec is not None:
+            seq.spec = self.spec.admit(seq)
+            if seq.spec is not None:
+                seq.metrics.spec = seq.spec.metrics
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -122,6 +131,9 @@ class Engine:
 
     # -- stepping ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        spec = self.spec
+        if spec is not None:
+            spec.plan(self.scheduler.running, self.max_model_len)
         plan = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         for seq, message in plan.failed:
@@ -139,16 +151,34 @@ class Engine:
         if self.debug_checks:
             self.scheduler.check_writes(plan)
         t0 = time.perf_counter()
+        if spec is not None:
+            spec.propose(plan.scheduled)
+        t_fwd = time.perf_counter()
         prune_step = self.pruner.begin(plan.scheduled) if self.pruner is not None else None
         logits, owners = self.runner.execute(plan.scheduled, prune_step)
+        t_fwd = time.perf_counter() - t_fwd
         for item in plan.scheduled:
             item.seq.num_computed += item.num_tokens
-            self.scheduler.commit(item.seq)
+            if not item.draft:
+                self.scheduler.commit(item.seq)  # a drafted sequence registers after verification
         if prune_step is not None:
             self.pruner.finish(prune_step)
-        sampled = [plan.scheduled[i].seq for i in owners]
+        plain_rows, drafted = [], []
+        for i, (first, count) in _row_groups(owners):
+            item = plan.scheduled[i]
+            if item.draft:
+                drafted.append((item, first, count))
+            else:
+                plain_rows.append((first, item.seq))
+        emitted: list[tuple[Sequence, list[int] | None, bool]] = []
         with torch.inference_mode():
-            tokens = self._sample(logits, sampled)
+            plain = self._sample(logits[[r for r, _ in plain_rows]], [s for _, s in plain_rows])
+            emitted.extend((s, None if tok is None else [tok], False) for (_, s), tok in zip(plain_rows, plain))
+            if drafted:
+                spec.totals.verify_s += t_fwd
+            for item, first, count in drafted:
+                item.seq.spec.metrics.verify_s += t_fwd
+                emitted.append((item.seq, self._verify(item, logits[first:first + count]), True))
         dt = time.perf_counter() - t0
         self.metrics.steps += 1
         if self.metrics.steps % SLOT_SAMPLE_EVERY == 1:
@@ -157,25 +187,73 @@ class Engine:
             self.metrics.allocated_slots_sampled += allocated
         if is_decode:
             self.metrics.decode_time += dt
-            self.metrics.decode_tokens += plan.num_tokens
+            self.metrics.decode_tokens += sum(len(t) for _, t, _ in emitted if t)
         else:
             self.metrics.prefill_time += dt
             self.metrics.prefill_tokens += plan.num_tokens
         now = time.perf_counter()
-        for seq, tok in zip(sampled, tokens):
-            if tok is None:  # failed in sampling (e.g. a logits processor raised)
+        for seq, toks, was_drafted in emitted:
+            if not toks:  # failed (e.g. a logits processor raised) or recomputed next step
                 outputs[seq.request_id] = self._output(seq, [])
                 continue
-            seq.output_ids.append(tok)
-            seq.metrics.token_times.append(now)
-            if seq.metrics.first_token is None:
-                seq.metrics.first_token = now
-            reason = self._stop_reason(seq, tok)
-            if reason:
-                self.scheduler.release(seq)
-                self._finish(seq, Status.FINISHED, reason)
-            outputs[seq.request_id] = self._output(seq, [tok])
+            new = []
+            for tok in toks:
+                seq.output_ids.append(tok)
+                seq.metrics.token_times.append(now)
+                if seq.metrics.first_token is None:
+                    seq.metrics.first_token = now
+                new.append(tok)
+                reason = self._stop_reason(seq, tok)
+                if reason:
+                    self.scheduler.release(seq)
+                    self._finish(seq, Status.FINISHED, reason)
+                    break
+            if was_drafted:
+                self.scheduler.commit(seq)  # verified tokens only: the rollback already dropped the rest
+            outputs[seq.request_id] = self._output(seq, new)
         return list(outputs.values())
+
+    def _verify(self, item, logits: torch.Tensor) -> list[int] | None:
+        """Speculation: the tokens a drafted sequence emits, after rolling its KV back to them.
+        Non-finite logits: the step is undone (recomputed next step), at most ``recompute_depth``
+        times in a row, then the request fails alone."""
+        seq = item.seq
+        start = seq.num_computed - item.num_tokens
+        try:
+            tokens = self.spec.verify(item, logits, self._process_draft_rows)
+        except _ProcessorError as e:
+            self.scheduler.release(seq)
+            self._finish(seq, Status.FAILED, "error", str(e))
+            return None
+        if tokens is None:
+            self.scheduler.rollback(seq, start)
+            seq.spec.metrics.recomputes += 1
+            self.spec.totals.recomputes += 1
+            seq.spec.recomputes_in_row += 1
+            if seq.spec.recomputes_in_row > self.spec.config.recompute_depth:
+                self.scheduler.release(seq)
+                self._finish(seq, Status.FAILED, "error",
+                             f"verify logits were not finite (NaN/inf) in {seq.spec.recomputes_in_row} recomputes "
+                             "in a row; the model produces non-finite values for this input")
+            return None
+        self.scheduler.rollback(seq, seq.num_computed + len(tokens) - 1)
+        return tokens
+
+    @staticmethod
+    def _process_draft_rows(seq: Sequence, draft: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Apply the request's logits processors to each verify row, with the proposals before it as context."""
+        if not seq.params.logits_processors:
+            return logits
+        ids = seq.all_ids
+        try:
+            for j in range(logits.shape[0]):
+                x = logits[j]
+                for proc in seq.params.logits_processors:
+                    x = proc(ids + draft[:j], x)
+                logits[j] = x
+        except Exception as e:  # noqa: BLE001  (a user callback failing fails only its request)
+            raise _ProcessorError(f"logits processor raised {type(e).__name__}: {e}") from None
+        return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
         if not seqs:
@@ -209,6 +287,8 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, status: Status, reason: str, error: str | None = None) -> None:
+        if self.spec is not None:
+            self.spec.release(seq)
         seq.status = status
         seq.finish_reason = reason
         seq.error = error
@@ -300,6 +380,24 @@ class Engine:
             if not self.step():
                 self.wait_for_admission()
 
+    def set_proposer(self, proposer, config=None) -> None:
+        """Hot swap the speculative proposer (a :class:`~devin_compile.runtime.speculative.Proposer`, or
+        None: off): requests admitted from now on use it; those in flight finish on the one they have."""
+        if self.spec is None:
+            if proposer is None:
+                return
+            if config is None:
+                raise ValueError("this engine has no speculation yet: give the SpeculativeConfig with the proposer")
+            self.spec = SpeculativeDecoder(config, proposer)
+            return
+        self.spec.set_proposer(proposer, config)
+
+    def spec_stats(self) -> dict:
+        """Speculation totals and a per-request table (request id = trace id); {} without speculation."""
+        if self.spec is None:
+            return {}
+        return self.spec.stats(list(self.requests.values()))
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (e.g. so a benchmark repeat prefills cold);
         returns how many were dropped (not published: the KV tiers keep only what they had).
@@ -348,3 +446,18 @@ class Engine:
         if self.kv_tiers is not None:
             stats.update(self.kv_tiers.stats())
         return stats
+
+
+class _ProcessorError(Exception):
+    pass
+
+
+def _row_groups(owners: list[int]) -> Iterator[tuple[int, tuple[int, int]]]:
+    """(batch index, (first row, row count)) for each run of equal owners (a drafted sequence owns several)."""
+    i = 0
+    while i < len(owners):
+        j = i
+        while j + 1 < len(owners) and owners[j + 1] == owners[i]:
+            j += 1
+        yield owners[i], (i, j - i + 1)
+        i = j + 1

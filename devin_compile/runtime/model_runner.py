@@ -89,7 +89,9 @@ class ModelRunner:
 
     def execute(self, batch: list[ScheduledSeq], kv_prune=None) -> tuple[torch.Tensor, list[int]]:
         """Run a scheduled step. Returns (logits, row → index into ``batch``) for the
-        sequences whose chunk reaches their last known token (they sample next)."""
+        sequences whose chunk reaches their last known token (they sample next). A sequence
+        with proposals (``item.draft``) gets them appended and one row per position from its
+        last known token on (``1 + len(draft)`` consecutive rows, same owner)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -97,17 +99,21 @@ class ModelRunner:
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
+            draft = item.draft if start + n == seq.num_tokens else []
             ids.extend(seq.all_ids[start:start + n])
-            pos.extend(range(start, start + n))
+            ids.extend(draft)  # speculation: proposals after the last known token, verified together
+            n_all = n + len(draft)
+            pos.extend(range(start, start + n_all))
             table = seq.block_table
             s0 = seq.num_slots  # KV pruning: slots lag positions by the evicted tokens
-            slots.extend(self.slot_mapping(table, s0, n))
-            qlens.append(n)
-            slens.append(s0 + n)
+            slots.extend(self.slot_mapping(table, s0, n_all))
+            qlens.append(n_all)
+            slens.append(s0 + n_all)
             tables.append(table)
             if start + n == seq.num_tokens:
-                logit_rows.append(len(ids) - 1)
-                owners.append(i)
+                # logits at the last known token (and after each proposal): one row each, same owner
+                logit_rows.extend(range(len(ids) - len(draft) - 1, len(ids)))
+                owners.extend([i] * (len(draft) + 1))
         if not logit_rows:  # only mid-prompt chunks this step: still need one logits row for the graph
             logit_rows = [len(ids) - 1]
             logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows)

@@ -24,7 +24,8 @@ class Runner(Protocol):
     def block_size(self) -> int: ...
 
     def execute(self, batch: list["ScheduledSeq"], kv_prune: Any = None) -> tuple[torch.Tensor, list[int]]:
-        """Run one scheduled step: (logits, row → index into ``batch``) of the sequences that sample."""
+        """Run one scheduled step: (logits, row → index into ``batch``) of the sequences that sample;
+        a sequence with proposals (``ScheduledSeq.draft``) owns ``1 + len(draft)`` consecutive rows."""
         ...
 
     def forward_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

@@ -30,6 +30,9 @@ class SamplingParams:
     # KV pruning for this request: None (the engine's / enable_kv_pruning's setting), False (off),
     # or a dict / KVPruneConfig (see devin_compile.config.KVPruneConfig).
     kv_prune: object = None
+    # Speculative decoding for this request: None (the engine's setting), False (off), True (on with the
+    # engine's settings), or a dict / SpeculativeRequest (num_tokens, acceptance_threshold, adaptive).
+    speculative: object = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -50,6 +53,13 @@ class SamplingParams:
             from ..config import KVPruneConfig
 
             self.kv_prune = KVPruneConfig.coerce(self.kv_prune, "SamplingParams.kv_prune")
+        if self.speculative is not None:
+            from ..config import SpeculativeRequest
+
+            self.speculative = SpeculativeRequest.coerce(self.speculative)
+            if self.speculative is not False and self.kv_prune not in (None, False):
+                raise ValueError("SamplingParams.speculative cannot be combined with kv_prune (a verify step would "
+                                 "score unverified tokens); pass speculative=False or kv_prune=False")
 
     @property
     def greedy(self) -> bool:
@@ -77,13 +87,20 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: softmax of the temperature-scaled, top-k /
+    top-p filtered float logits [V] (or [N, V], row by row)."""
+    if logits.dim() == 2:
+        return torch.stack([sampling_probs(row, params) for row in logits])
+    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from one row of float32 logits [V]."""
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
 
 
 def sample_batch(logits: torch.Tensor, params: Seq[SamplingParams],

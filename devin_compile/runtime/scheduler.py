@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step, starting at seq.num_computed
+    lookahead: int = 0  # KV slots reserved after them for proposals (speculative decoding)
+    draft: list[int] = field(default_factory=list)  # the proposals verified this step (<= lookahead)
+    draft_probs: object = None  # the proposer's q [len(draft), vocab], or None (one-hot)
 
 
 @dataclass
@@ -67,6 +70,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(s.draft) for s in self.scheduled)
 
 
 class Scheduler:
@@ -181,7 +188,12 @@ class Scheduler:
             if phase is not None and (phase == "prefill") != seq.in_prefill:
                 continue
             n = min(seq.num_uncomputed, budget)
-            while not self._grow(seq, n):
+            # speculation: room for the proposals a decoding sequence may make (dropped before preempting)
+            extra = min(seq.spec_lookahead, budget - n) if n == seq.num_uncomputed == 1 else 0
+            while not self._grow(seq, n + extra):
+                if extra:
+                    extra = 0
+                    continue
                 victims = [s for s in self.running if s.request_id not in scheduled_ids]
                 victim = max(victims, key=lambda s: s.metrics.arrival)
                 if victim is seq and len(self.running) == 1 and not plan.scheduled:
@@ -194,9 +206,9 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq in self.running:
-                plan.scheduled.append(ScheduledSeq(seq, n))
+                plan.scheduled.append(ScheduledSeq(seq, n, extra))
                 scheduled_ids.add(seq.request_id)
-                budget -= n
+                budget -= n + extra
         admit = phase != "decode" and self.admission_open()
         while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -269,6 +281,17 @@ class Scheduler:
         seq.metrics.tier_hit_tokens += tokens
         self.commit(seq)
 
+    def rollback(self, seq: Sequence, num_computed: int) -> int:
+        """Speculation: ``seq`` keeps the K/V of its first ``num_computed`` tokens only (rejected
+        proposals' slots are dropped); blocks past its slots go back to the pool. Returns how many."""
+        seq.num_computed = num_computed
+        keep = self.blocks_needed(seq.num_slots)
+        tail = seq.block_table[keep:]
+        if not tail:
+            return 0
+        del seq.block_table[keep:]
+        return self.allocator.release_tail(tail)
+
     def commit(self, seq: Sequence) -> None:
         """After a step computed ``seq``'s tokens: register its blocks that just became full."""
         cache = self.prefix_cache
@@ -307,7 +330,7 @@ class Scheduler:
         for item in plan.scheduled:
             seq = item.seq
             s0 = seq.num_slots  # first slot written (KV pruning: slots != positions)
-            first, last = s0 // bs, (s0 + item.num_tokens - 1) // bs
+            first, last = s0 // bs, (s0 + item.num_tokens + item.lookahead - 1) // bs
             for j in range(first, last + 1):
                 self.allocator.check_writable(seq.block_table[j])
 

@@ -37,6 +37,7 @@ class RequestMetrics:
     kv_freed_blocks: int = 0
     kv_prune_evaluations: int = 0
     kv_live_tokens: int = 0  # KV slots the request holds after its latest pruning step
+    spec: object = None  # runtime/speculative/stats.SpecMetrics of a request that speculates
 
     @property
     def ttft(self) -> float | None:
@@ -66,6 +67,8 @@ class Sequence:
     error: str | None = None
     generator: torch.Generator | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    spec: object = None  # runtime/speculative/adaptive.SpecState when the request speculates
+    spec_lookahead: int = 0  # proposals the next step may verify (set by SpeculativeDecoder.plan)
 
     @property
     def all_ids(self) -> list[int]:
