@@ -1,6 +1,8 @@
 """``devin-compile run``: optimize a model, answer prompts, and time batch-1 decode against HF eager."""
 from __future__ import annotations
 
+import argparse
+import os
 import time
 
 from . import common
@@ -29,6 +31,16 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=common.int_at_least(1), default=3, metavar="N",
                    help="timed runs per engine; the median is reported (default 3)")
     p.add_argument("--no-bench", action="store_true", help="skip the HF-vs-devin timing")
+    p.add_argument("--speculative", choices=["ngram", "draft", "head"], default=None,
+                   help="also time devin-compile with speculative decoding by this method, side by side, with "
+                        "its acceptance table (draft: --draft-model, default an RTN INT4 copy of the model)")
+    p.add_argument("--spec-tokens", type=common.int_at_least(1), default=4, metavar="N",
+                   help="most tokens proposed per step with --speculative (default 4)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="--speculative draft: a local HF model folder or .gguf with the same vocabulary "
+                        "(default: self-int4, the model itself with RTN INT4 weights)")
+    p.add_argument("--head-layers", type=common.int_at_least(1), default=2, metavar="N",
+                   help="--speculative head: the model's first N layers propose (default 2)")
     p.set_defaults(fn=main)
 
 
@@ -43,9 +55,12 @@ def main(args) -> int:
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
     options = common.check_options(args)
+    spec = _spec_config(args)
     con = common.console()
     model, tok = common.load(args, con)
     opt = common.optimize(model, tok, con, **options)
+    from ..api import optimize
+
     prompts = args.prompt or DEFAULT_PROMPTS
     ids = [_chat_ids(tok, p) for p in prompts]
     t0 = time.perf_counter()
@@ -56,19 +71,45 @@ def main(args) -> int:
         con.print(tok.decode(o, skip_special_tokens=True).strip())
     con.rule()
     con.print(f"{len(prompts)} prompts batched: {sum(map(len, outs))} tokens in {dt:.2f} s")
+    spec_opt = None
+    if spec is not None:
+        if spec.get("model") not in (None, "self-int4"):
+            spec["model"], _ = common.load(argparse.Namespace(model=spec["model"], dtype=args.dtype), con)
+        with con.status(f"optimizing with speculative={spec['method']} ..."):
+            spec_opt = optimize(model, tokenizer=tok, speculative=spec, **options)
     if not args.no_bench:
-        _bench(args, con, model, opt, ids[0])
+        _bench(args, con, model, opt, ids[0], spec_opt)
     return 0
 
 
-def _bench(args, con, model, opt, bench_ids: list[int]) -> None:
-    """Batch-1 decode of HF eager and devin-compile side by side. Where the model's dtype has no
-    native GEMMs on this CPU, HF eager is timed in float32 (its fastest dtype there), and its row says so."""
+def _spec_config(args) -> dict | None:
+    """The ``speculative=`` dict --speculative asks for (validated before any model is loaded)."""
+    if args.speculative is None:
+        return None
+    from ..config import SpeculativeConfig
+
+    spec = {"method": args.speculative, "num_tokens": args.spec_tokens}
+    if args.speculative == "head":
+        spec["layers"] = args.head_layers
+    if args.speculative == "draft":
+        if args.draft_model is not None and not os.path.exists(args.draft_model):
+            raise FileNotFoundError(f"--draft-model {args.draft_model} does not exist")
+        spec["model"] = args.draft_model or "self-int4"
+        SpeculativeConfig(**{**spec, "model": "self-int4"})
+    else:
+        SpeculativeConfig(**spec)
+    return spec
+
+
+def _bench(args, con, model, opt, bench_ids: list[int], spec_opt=None) -> None:
+    """Batch-1 decode of HF eager and devin-compile side by side (and devin-compile with speculative
+    decoding, when given). Where the model's dtype has no native GEMMs on this CPU, HF eager is timed
+    in float32 (its fastest dtype there), and its row says so."""
     import copy
 
     import torch
 
-    from ..benchmarking import hf_peer_dtype, time_devin_decode, time_hf_decode
+    from ..benchmarking import hf_peer_dtype, time_devin_decodes, time_hf_decode
 
     dtype = opt.info.dtype
     dtype_name = str(dtype).replace("torch.", "")
@@ -81,7 +122,10 @@ def _bench(args, con, model, opt, bench_ids: list[int]) -> None:
         footnote = f"* {why}, so HF eager runs in {peer_name}"
     with con.status(f"timing batch-1 decode of {args.bench_tokens} tokens (median of {args.repeats}) ..."):
         hf = time_hf_decode(hf_model, bench_ids, args.bench_tokens, args.repeats, name=hf_name)
-        dv = time_devin_decode(opt, bench_ids, args.bench_tokens, args.repeats)
+        engines = {"devin-compile": opt}
+        if spec_opt is not None:
+            engines[f"devin-compile + {args.speculative}"] = spec_opt
+        dv, *sp = time_devin_decodes(engines, bench_ids, args.bench_tokens, args.repeats)
     con.print(f"\nbatch-1 decode, {dtype_name}, "
               f"{len(bench_ids)}-token prompt, {args.bench_tokens} new tokens, {torch.get_num_threads()} threads")
     con.print(hf.row())
@@ -90,3 +134,22 @@ def _bench(args, con, model, opt, bench_ids: list[int]) -> None:
         con.print(footnote)
     same = hf.tokens == dv.tokens if peer_dtype == dtype else f"n/a (HF ran in {str(peer_dtype)[6:]})"
     con.print(f"speed-up: {dv.decode_tok_s / hf.decode_tok_s:.2f}x   same greedy tokens: {same}")
+    if sp:
+        _spec_table(con, spec_opt, sp[0], dv, hf)
+
+
+def _spec_table(con, spec_opt, timing, plain, hf) -> None:
+    """The speculative row's speed-ups and its acceptance (mean length, per position)."""
+    from rich.table import Table
+
+    con.print(timing.row())
+    s = spec_opt.engine.spec_stats()
+    con.print(f"speculative: {timing.decode_tok_s / plain.decode_tok_s:.2f}x devin-compile, "
+              f"{timing.decode_tok_s / hf.decode_tok_s:.2f}x HF eager; same greedy tokens as devin-compile: "
+              f"{timing.tokens == plain.tokens}")
+    table = Table(title=f"acceptance ({s['proposer']})")
+    for col in ("verify steps", "drafted", "accepted", "rate", "mean acceptance length", "per position"):
+        table.add_column(col)
+    table.add_row(str(s["steps"]), str(s["drafted"]), str(s["accepted"]), f"{s['acceptance_rate']:.2f}",
+                  f"{s['mean_acceptance_length']:.2f}", " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]))
+    con.print(table)
