@@ -89,36 +89,53 @@ class ModelRunner:
 
     def execute(self, batch: list[ScheduledSeq], kv_prune=None) -> tuple[torch.Tensor, list[int]]:
         """Run a scheduled step. Returns (logits, row → index into ``batch``) for the
-        sequences whose chunk reaches their last known token (they sample next). A sequence
-        with proposals (``item.draft``) gets them appended and one row per position from its
-        last known token on (``1 + len(draft)`` consecutive rows, same owner)."""
+        sequences whose chunk reaches their last known token (they sample next).
+
+        Speculation: a decoding sequence with proposals (``item.draft``) owns ``1 + len(draft)``
+        consecutive logits rows. Each proposal runs as a decode row of its own, after all the
+        batch's sequences: same block table, the next position and slot, a sequence length one
+        longer than the row before (so it sees the rows before it and not those after; every
+        backend writes a layer's new K/V before attending). A verify step of decoding sequences
+        is then a pure decode step for the graphs and kernels (the decode graph, the C decode
+        kernel), and batch indices stay those of ``batch`` (KV pruning's rows)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         qlens, slens, tables, logit_rows, owners = [], [], [], [], []
+        proposals = []
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
-            draft = item.draft if start + n == seq.num_tokens else []
             ids.extend(seq.all_ids[start:start + n])
-            ids.extend(draft)  # speculation: proposals after the last known token, verified together
-            n_all = n + len(draft)
-            pos.extend(range(start, start + n_all))
+            pos.extend(range(start, start + n))
             table = seq.block_table
             s0 = seq.num_slots  # KV pruning: slots lag positions by the evicted tokens
-            slots.extend(self.slot_mapping(table, s0, n_all))
-            qlens.append(n_all)
-            slens.append(s0 + n_all)
+            slots.extend(self.slot_mapping(table, s0, n))
+            qlens.append(n)
+            slens.append(s0 + n)
             tables.append(table)
             if start + n == seq.num_tokens:
-                # logits at the last known token (and after each proposal): one row each, same owner
-                logit_rows.extend(range(len(ids) - len(draft) - 1, len(ids)))
-                owners.extend([i] * (len(draft) + 1))
+                logit_rows.append(len(ids) - 1)
+                owners.append(i)
+                proposals.extend((tok, start + n + j, s0 + n + j, table, i) for j, tok in enumerate(item.draft))
+        for tok, p, slot, table, i in proposals:
+            ids.append(tok)
+            pos.append(p)
+            slots.extend(self.slot_mapping(table, slot, 1))
+            qlens.append(1)
+            slens.append(slot + 1)
+            tables.append(table)
+            logit_rows.append(len(ids) - 1)
+            owners.append(i)
         if not logit_rows:  # only mid-prompt chunks this step: still need one logits row for the graph
             logit_rows = [len(ids) - 1]
             logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows)
             return logits[:0], []
         logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows, kv_prune)
+        if proposals:  # each owner's rows together, in position order (a stable sort by owner)
+            order = sorted(range(len(owners)), key=owners.__getitem__)
+            logits = logits[order]
+            owners = [owners[r] for r in order]
         return logits, owners
 
     def forward_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
