@@ -54,3 +54,19 @@ def test_report_counts_every_layer(smollm2):
     rows = {r.name: r for r in opt.pass_report.records}
     assert rows["attention_to_paged"].matches == 30
     assert rows["fuse_projections"].matches == 60  # q/k/v and gate/up in each of 30 layers
+
+
+def test_speculative_greedy_matches_plain(smollm2):
+    """Speculation (n-gram, then the self-speculative head, hot-swapped in) changes no greedy token."""
+    _, tok, opt = smollm2
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    plain = opt.generate(prompts, max_new_tokens=32)
+    try:
+        for spec in ("ngram", {"method": "head", "layers": 2}):
+            opt.set_draft(spec)
+            before = opt.engine.spec_stats()["drafted"]
+            assert opt.generate(prompts, max_new_tokens=32) == plain
+            assert opt.engine.spec_stats()["drafted"] > before
+    finally:
+        opt.set_draft(None)
+    assert opt.engine.kv_stats()["blocks_used"] == 0
