@@ -149,6 +149,23 @@ def batch16(devin: dict, repeats: int, tok) -> dict:
             "spec": {k: spec_summary(o) for k, o in devin.items()}}
 
 
+HEAD_CHOICES = [(2, 0), (4, 0), (8, 0), (2, 2), (4, 4), (8, 4), (12, 6)]
+
+
+def head_study(model, tok, prompts, n: int, k: int) -> list[dict]:
+    """Acceptance of untrained self-speculative heads (first ``layers`` + last ``last_layers``) on ``prompts``."""
+    rows = []
+    for first, last in HEAD_CHOICES:
+        opt = devin_compile.optimize(model, tokenizer=tok, speculative={
+            "method": "head", "layers": first, "last_layers": last, "num_tokens": k, "adaptive": False})
+        for ids in prompts:
+            devin_run(opt, ids, n)
+        s = spec_summary(opt)
+        rows.append({"layers": first, "last_layers": last, **s})
+        print("   head", rows[-1])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=96)
@@ -159,6 +176,8 @@ def main() -> None:
     ap.add_argument("--skip-int4", action="store_true", help="leave out the self-int4 draft (its calibration)")
     ap.add_argument("--skip-batch16", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--head-study", action="store_true",
+                    help="also measure the acceptance of layer-skip heads (first k + last m layers) on the open prompts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "spec.json"))
     args = ap.parse_args()
     if args.threads:
@@ -199,6 +218,9 @@ def main() -> None:
                                          devin, hf, args.repeats))
     open_ids, _ = open_prompts(tok, args.prompts)
     results["workloads"].append(workload("open", open_ids, args.new_tokens, open_devin, hf_open, args.repeats))
+    if args.head_study:
+        print("\n## head study (open prompts, acceptance only, adaptive off)")
+        results["head_study"] = head_study(model, tok, open_ids, args.new_tokens, k)
     if not args.skip_batch16:
         results["workloads"].append(batch16(devin, args.repeats, tok))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
