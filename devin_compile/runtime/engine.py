@@ -172,7 +172,8 @@ class Engine:
                 plain_rows.append((first, item.seq))
         emitted: list[tuple[Sequence, list[int] | None, bool]] = []
         with torch.inference_mode():
-            plain = self._sample(logits[[r for r, _ in plain_rows]], [s for _, s in plain_rows])
+            rows = logits if not drafted else logits[[r for r, _ in plain_rows]]
+            plain = self._sample(rows, [s for _, s in plain_rows])
             emitted.extend((s, None if tok is None else [tok], False) for (_, s), tok in zip(plain_rows, plain))
             if drafted:
                 spec.totals.verify_s += t_fwd
