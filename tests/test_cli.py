@@ -163,6 +163,19 @@ def test_hf_peer_runs_in_float32_where_bf16_is_not_native(tmp_path, capsys, monk
     assert "same greedy tokens: n/a (HF ran in float32)" in out
 
 
+@pytest.mark.parametrize("method", ["ngram", "head"])
+def test_run_speculative_prints_side_by_side_row_and_acceptance_table(tmp_path, capsys, method):
+    model = _tiny_llama(tmp_path / "tiny")
+    capsys.readouterr()
+    assert main(["run", "--model", str(model), "--max-new-tokens", "2", "--bench-tokens", "6", "--repeats", "1",
+                 "--speculative", method, "--spec-tokens", "3", "--head-layers", "1",
+                 "--prompt", "what is the capital of france ?"]) == 0
+    out = capsys.readouterr().out
+    assert f"devin-compile + {method}" in out
+    assert "same greedy tokens as devin-compile: True" in " ".join(out.split())
+    assert f"acceptance ({method})" in out and "verify steps" in out
+
+
 def test_hf_peer_dtype(monkeypatch):
     import devin_compile.ops.prepacked_linear as prepack
 
