@@ -340,10 +340,6 @@ class OptimizeConfig:
                              "callables would need the kv_prune nodes kept opaque); drop one of them")
         self._check_quantization()
         self.speculative = SpeculativeConfig.coerce(self.speculative)
-        if self.speculative is not None and self.kv_prune is not None and self.kv_prune.enabled:
-            raise ValueError("speculative= cannot be combined with kv_prune= pruning every request (a verify step "
-                             "would score unverified tokens); pass kv_prune={..., 'enabled': False} so only the "
-                             "requests that ask prune (they then decode without speculation), or drop one")
         from .cache.config import coerce as coerce_kv_cache_tiers  # lazily, like quant's
 
         self.kv_cache_tiers = coerce_kv_cache_tiers(self.kv_cache_tiers)

@@ -317,11 +317,30 @@ def test_draft_with_other_vocabulary_is_rejected(tiny_model):
         devin_compile.optimize(tiny_model("llama"), speculative={"method": "draft", "model": small})
 
 
-def test_cannot_combine_with_kv_pruning(tiny_model):
-    with pytest.raises(ValueError, match="kv_prune"):
-        devin_compile.optimize(tiny_model("llama"), speculative="ngram", kv_prune={"threshold": 0.1})
-    with pytest.raises(ValueError, match="speculative"):
-        SamplingParams(speculative={"num_tokens": 2}, kv_prune={"threshold": 0.1})
+PRUNE = {"threshold": 0.5, "max_tokens": 24, "step_interval": 6, "sink_tokens": 2, "recent_tokens": 4, "pool_kernel": 1,
+         "recency_layers": 0.0}
+
+
+@pytest.mark.parametrize("method", [{"method": "ngram", "num_tokens": 4}, {"method": "head", "layers": 1}])
+def test_kv_pruning_with_speculation_keeps_pruned_greedy_output(tiny_model, method):
+    """A pruning request speculates between evaluations; only verified rows are scored, so its
+    evictions and tokens are those of plain decoding with the same pruning."""
+    model = tiny_model("llama")
+    prompts = [PROMPTS[0] + PROMPTS[0], list(range(20, 50))]  # same length: the steps stay pure decode steps
+    kw = dict(num_kv_blocks=64, block_size=4, kv_prune=PRUNE)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = devin_compile.optimize(model, **kw)
+    ref = [o.output_ids for o in plain.engine.generate(prompts, params)]
+    evicted = plain.engine.kv_stats()["kv_prune_evicted_tokens"]
+    opt = devin_compile.optimize(model, speculative=method, **kw)
+    opt.engine.debug_checks = True
+    assert [o.output_ids for o in opt.engine.generate(prompts, params)] == ref
+    assert opt.engine.spec_stats()["drafted"] > 0
+    assert evicted > 0 and opt.engine.kv_stats()["kv_prune_evicted_tokens"] == evicted
+    _no_leak(opt)
+
+
+def test_bad_request_settings(tiny_model):
     with pytest.raises(ValueError, match="SamplingParams.speculative"):
         SamplingParams(speculative={"num_token": 2})
     opt = devin_compile.optimize(tiny_model("llama"), num_kv_blocks=16, block_size=4)

@@ -179,7 +179,10 @@ class Engine:
                 spec.totals.verify_s += t_fwd
             for item, first, count in drafted:
                 item.seq.spec.metrics.verify_s += t_fwd
-                emitted.append((item.seq, self._verify(item, logits[first:first + count]), True))
+                tokens = self._verify(item, logits[first:first + count])
+                if prune_step is not None:  # KV pruning scores and counts the verified rows only
+                    prune_step.commit(item.seq, None if tokens is None else len(tokens) - 1)
+                emitted.append((item.seq, tokens, True))
         dt = time.perf_counter() - t0
         self.metrics.steps += 1
         if self.metrics.steps % SLOT_SAMPLE_EVERY == 1:

@@ -57,9 +57,6 @@ class SamplingParams:
             from ..config import SpeculativeRequest
 
             self.speculative = SpeculativeRequest.coerce(self.speculative)
-            if self.speculative is not False and self.kv_prune not in (None, False):
-                raise ValueError("SamplingParams.speculative cannot be combined with kv_prune (a verify step would "
-                                 "score unverified tokens); pass speculative=False or kv_prune=False")
 
     @property
     def greedy(self) -> bool:

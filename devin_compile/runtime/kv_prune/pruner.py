@@ -75,16 +75,30 @@ class KVPruner:
             return None
         side_capable = hasattr(self.backend, "forward_with_scores")
         every_step = side_capable and getattr(self.backend, "scores_every_step", True)
-        eval_rows, score_rows = [], []
+        eval_rows, score_rows, deferred, speculating = [], [], {}, set()
+        first_draft_row, nxt = [], len(scheduled)  # proposals' rows follow the batch's, in order (ModelRunner.execute)
+        for item in scheduled:
+            first_draft_row.append(nxt)
+            nxt += len(item.draft)
         for b, seq in rows:
             st: PruneState = seq.kv_prune_state
+            draft = scheduled[b].draft
+            if draft:  # verified tokens count (and score) after acceptance: PruneStep.commit
+                speculating.add(id(seq))
+                if st.config.policy == "attention" and every_step:
+                    first = first_draft_row[b]
+                    verify_rows = [b, *range(first, first + len(draft))]
+                    deferred.update((row, j) for j, row in enumerate(verify_rows))
+                    score_rows.extend((r, seq) for r in verify_rows)
+                continue
             st.steps_since_eval += 1
             evaluate = st.steps_since_eval >= st.config.step_interval
             if evaluate:
                 eval_rows.append((b, seq))
             if st.config.policy == "attention" and (evaluate or every_step):
                 score_rows.append((b, seq))
-        return PruneStep(rows, eval_rows, score_rows, side_output=side_capable and bool(score_rows))
+        return PruneStep(rows, eval_rows, score_rows, side_output=side_capable and bool(score_rows),
+                         deferred=deferred, speculating=speculating)
 
     def finish(self, step: PruneStep | None) -> None:
         """After the forward (``num_computed`` updated): evaluate the sequences due, update metrics."""

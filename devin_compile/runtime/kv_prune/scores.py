@@ -7,6 +7,12 @@ per-KV-head mean attention times the number of live slots, so **1.0 means unifor
 attention** at any context length. A token's score is the mean over the steps that observed
 it (every decode step with a side output from a backend with ``scores_every_step``,
 evaluation steps only otherwise).
+
+**Speculation.** A verify step's rows of a pruning sequence (its base row and one per
+proposal) are *deferred*: their mass waits in :attr:`PruneStep.pending` until acceptance is
+known, then :meth:`PruneStep.commit` folds the rows whose input token was verified (the
+base row and the accepted proposals' rows: exactly the queries plain decoding would have
+made) and drops the rest, so no unverified token is ever scored.
 """
 from __future__ import annotations
 
@@ -82,6 +88,9 @@ class PruneStep:
     phase: str = "decode"  # "prefill": score_rows finish their prompt; score their last prefill_window queries
     side: dict[int, dict] = field(default_factory=dict)  # layer → {batch row: [Hkv, L] mass}
     layers_scored: int = 0
+    deferred: dict[int, int] = field(default_factory=dict)  # verify row → its index among its sequence's rows
+    pending: dict[int, list] = field(default_factory=dict)  # id(seq) → [(layer, row index, normalised mass)]
+    speculating: set[int] = field(default_factory=set)  # id(seq) of the pruning sequences verifying proposals
 
     @property
     def score_row_ids(self) -> list[int]:
@@ -93,13 +102,32 @@ class PruneStep:
             a = scores.get(b)
             if a is None:
                 continue
-            st: PruneState = seq.kv_prune_state
             n = a.shape[-1]
-            st.ensure(n, seq.num_evicted)
             norm = a.float().amax(dim=0) * (n / group)
-            st.score_sum[layer, :n] += norm
-            st.obs[layer, :n] += 1
+            if b in self.deferred:
+                self.pending.setdefault(id(seq), []).append((layer, self.deferred[b], norm))
+                continue
+            self._fold(seq, layer, norm)
         self.layers_scored += 1
+
+    @staticmethod
+    def _fold(seq: "Sequence", layer: int, norm: torch.Tensor) -> None:
+        st: PruneState = seq.kv_prune_state
+        n = norm.shape[-1]
+        st.ensure(n, seq.num_evicted)
+        st.score_sum[layer, :n] += norm
+        st.obs[layer, :n] += 1
+
+    def commit(self, seq: "Sequence", accepted: int | None) -> None:
+        """Speculation: fold the deferred rows ``0..accepted`` of ``seq`` (None: the step was undone,
+        fold nothing) and count the verified tokens as decode steps towards the next evaluation."""
+        pending = self.pending.pop(id(seq), [])
+        if id(seq) not in self.speculating or accepted is None:
+            return
+        for layer, j, norm in pending:
+            if j <= accepted:
+                self._fold(seq, layer, norm)
+        seq.kv_prune_state.steps_since_eval += 1 + accepted
 
     def accumulate_window(self, layer: int, b: int, seq: "Sequence", score_sum: torch.Tensor,
                           obs: torch.Tensor) -> None:

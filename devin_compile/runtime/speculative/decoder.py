@@ -6,9 +6,12 @@ pinned proposer of each sequence fills ``ScheduledSeq.draft``), and :meth:`verif
 drafted sequence's ``1 + len(draft)`` logits rows after the forward. The engine itself rolls
 the KV back (``Scheduler.rollback``) and appends the tokens.
 
-Which requests speculate: every request by default while a proposer is set, except those that
-prune their KV (a request that prunes decodes without speculation: a verify step would score
-unverified tokens), and those with ``SamplingParams(speculative=False)``. A request's
+Which requests speculate: every request by default while a proposer is set, except those with
+``SamplingParams(speculative=False)``. A request that prunes its KV proposes at most
+``step_interval - steps_since_eval - 2`` tokens, so a verify step never reaches a pruning
+evaluation (evaluations run on plain decode steps, as without speculation) and only verified
+rows are scored (:meth:`~devin_compile.runtime.kv_prune.scores.PruneStep.commit`): its greedy
+output is the one it has without speculation. A request's
 ``speculative={...}`` overrides ``num_tokens`` (capped by nothing but ``max_verify_tokens``),
 ``acceptance_threshold`` and ``adaptive``. :meth:`set_proposer` swaps the proposer for new
 requests; a request in flight keeps the one it was admitted with.
@@ -50,7 +53,7 @@ class SpeculativeDecoder:
     def admit(self, seq: "Sequence") -> SpecState | None:
         """The request's speculation state, or None when it does not speculate."""
         req = seq.params.speculative
-        if self.proposer is None or req is False or seq.kv_prune_config is not None:
+        if self.proposer is None or req is False:
             return None
         cfg = self.config
         req = req if isinstance(req, SpeculativeRequest) else SpeculativeRequest()
@@ -73,7 +76,7 @@ class SpeculativeDecoder:
         for s in decoding:
             want = s.spec.wanted()
             room = min(s.params.max_new_tokens - len(s.output_ids) - 1, max_model_len - s.num_tokens)
-            k = max(0, min(want, cap, room))
+            k = max(0, min(want, cap, room, _prune_room(s)))
             capped |= want > cap
             s.spec_lookahead = k
         self.turned_down_steps += capped
@@ -131,3 +134,13 @@ class SpeculativeDecoder:
         return {"method": self.config.method, "proposer": getattr(self.proposer, "name", None),
                 "swaps": self.swaps, "turned_down_steps": self.turned_down_steps,
                 **{k: v for k, v in self.totals.as_dict().items() if k != "proposer"}, "requests": table}
+
+
+def _prune_room(seq: "Sequence") -> int:
+    """Proposals a pruning sequence may make: its verified tokens must stay short of the next
+    evaluation (one more plain step reaches it), so pruning sees the same queries as without speculation."""
+    cfg = seq.kv_prune_config
+    if cfg is None:
+        return 1 << 30
+    since = seq.kv_prune_state.steps_since_eval if seq.kv_prune_state is not None else 0
+    return cfg.step_interval - since - 2
