@@ -70,9 +70,6 @@ class OptimizedModel:
         from .config import SpeculativeConfig
 
         config = SpeculativeConfig.coerce(speculative, "set_draft")
-        if config is not None and self.optimize_config.kv_prune is not None and self.optimize_config.kv_prune.enabled:
-            raise ValueError("set_draft: this model prunes every request's KV (kv_prune enabled), which speculation "
-                             "cannot be combined with")
         proposer = self.proposer_factory(config) if config is not None else None
         self.engine.set_proposer(proposer, config)
 
