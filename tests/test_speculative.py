@@ -212,6 +212,13 @@ def test_adaptive_rule():
     while s.cooldown:
         s.wanted()
     assert s.wanted() > 0, "and probes again after the back-off"
+    b = s.backoff
+    s.update(3, 0)
+    assert (s.cooldown, s.backoff) == (b, 2 * b), "a probe that misses again pauses at once, twice as long"
+    while s.cooldown:
+        s.wanted()
+    s.update(3, 3)
+    assert s.cooldown == 0 and s.backoff == b, "an accepting probe resumes and halves the back-off"
 
 
 def test_batch_turns_speculation_down(tiny_model):

@@ -4,8 +4,10 @@ Rule (``adaptive=True``): after a verify step that accepted every proposal the l
 one (up to the configured ``num_tokens``); after one that accepted fewer than half it shrinks by
 one (down to 1). When the mean acceptance of the last ``WINDOW`` steps drops below
 ``MIN_RATE`` the request stops proposing for a back-off of steps (1, 2, 4, ... up to
-``MAX_BACKOFF``; halved again after a step that accepts), then probes once more: a proposer
-that keeps missing costs a verify step now and then, not every step. The engine also caps the
+``MAX_BACKOFF``; halved again after a step that accepts), then probes once more. The window
+is kept across the pause, so a probe that misses again pauses at once for twice as long: a
+proposer that keeps missing costs one probe per back-off (about log2 of the tokens generated),
+not a window of them. The engine also caps the
 length so that a step's verify tokens stay within ``max_verify_tokens`` (see
 :meth:`SpeculativeDecoder.plan`).
 """
@@ -60,5 +62,4 @@ class SpecState:
         if len(self.window) == WINDOW and sum(self.window) / WINDOW < MIN_RATE:
             self.cooldown = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
-            self.window.clear()
         self.metrics.num_tokens = self.num_tokens
