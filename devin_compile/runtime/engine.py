@@ -29,6 +29,7 @@ from .engine_metrics import SLOT_SAMPLE_EVERY, EngineMetrics, slot_usage
 from .kv_cache import BlockAllocator
 from .kv_prune import KVPruner, resolve_request
 from .kv_tiers import KVTiers
+from .logprobs import TokenLogprob, log_probs, token_logprobs
 from .prefix_cache import PrefixCache
 from .request_output import RequestError, RequestOutput
 from .runner_protocol import Runner
@@ -36,6 +37,7 @@ from .sampling import SamplingParams, sample_batch
 from .scheduler import Scheduler
 from .speculative import SpeculativeDecoder
 from .sequence import Sequence, Status
+from .step_info import StepInfo
 
 
 class Engine:
@@ -76,6 +78,7 @@ class Engine:
         self.spec = speculative
         self.requests: dict[str, Sequence] = {}
         self.metrics = EngineMetrics()
+        self.step_hooks: list = []
         self._ids = itertools.count()
 
     # -- request API ------------------------------------------------------
@@ -129,8 +132,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def add_step_hook(self, fn) -> None:
+        """Call ``fn(StepInfo)`` after every step that ran a batch (on the stepping thread; see
+        :mod:`~devin_compile.runtime.step_info`). Without hooks no StepInfo is built."""
+        self.step_hooks.append(fn)
+
     # -- stepping ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         spec = self.spec
         if spec is not None:
             spec.plan(self.scheduler.running, self.max_model_len)
@@ -170,16 +179,31 @@ class Engine:
                 drafted.append((item, first, count))
             else:
                 plain_rows.append((first, item.seq))
-        emitted: list[tuple[Sequence, list[int] | None, bool]] = []
+        # (sequence, tokens to append or None, drafted?, their TokenLogprobs or None)
+        emitted: list[tuple[Sequence, list[int] | None, bool, list[TokenLogprob] | None]] = []
         with torch.inference_mode():
             rows = logits if not drafted else logits[[r for r, _ in plain_rows]]
-            plain = self._sample(rows, [s for _, s in plain_rows])
-            emitted.extend((s, None if tok is None else [tok], False) for (_, s), tok in zip(plain_rows, plain))
+            seqs = [s for _, s in plain_rows]
+            want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+            logp = log_probs(rows[want]) if want else None  # before processors edit the rows in place
+            plain = self._sample(rows, seqs)
+            emitted.extend((s, None if tok is None else [tok], False, None) for s, tok in zip(seqs, plain))
+            if want:
+                ok = [j for j, i in enumerate(want) if plain[i] is not None]
+                lps = token_logprobs(logp[ok], [plain[want[j]] for j in ok], [seqs[want[j]].params.logprobs for j in ok])
+                for j, lp in zip(ok, lps):
+                    s, toks, _, _ = emitted[want[j]]
+                    emitted[want[j]] = (s, toks, False, [lp])
             if drafted:
                 spec.totals.verify_s += t_fwd
             for item, first, count in drafted:
                 item.seq.spec.metrics.verify_s += t_fwd
-                emitted.append((item.seq, self._verify(item, logits[first:first + count]), True))
+                k = item.seq.params.logprobs
+                logp = log_probs(logits[first:first + count]) if k is not None else None
+                toks = self._verify(item, logits[first:first + count])
+                # token j of a verify step comes from row j (accepted proposals, then the target's own)
+                lps = token_logprobs(logp, toks, [k] * len(toks)) if toks and logp is not None else None
+                emitted.append((item.seq, toks, True, lps))
         dt = time.perf_counter() - t0
         self.metrics.steps += 1
         if self.metrics.steps % SLOT_SAMPLE_EVERY == 1:
@@ -188,18 +212,20 @@ class Engine:
             self.metrics.allocated_slots_sampled += allocated
         if is_decode:
             self.metrics.decode_time += dt
-            self.metrics.decode_tokens += sum(len(t) for _, t, _ in emitted if t)
+            self.metrics.decode_tokens += sum(len(t) for _, t, _, _ in emitted if t)
         else:
             self.metrics.prefill_time += dt
             self.metrics.prefill_tokens += plan.num_tokens
         now = time.perf_counter()
-        for seq, toks, was_drafted in emitted:
+        for seq, toks, was_drafted, lps in emitted:
             if not toks:  # failed (e.g. a logits processor raised) or recomputed next step
                 outputs[seq.request_id] = self._output(seq, [])
                 continue
             new = []
-            for tok in toks:
+            for j, tok in enumerate(toks):
                 seq.output_ids.append(tok)
+                if lps is not None:
+                    seq.logprobs.append(lps[j])
                 seq.metrics.token_times.append(now)
                 if seq.metrics.first_token is None:
                     seq.metrics.first_token = now
@@ -212,7 +238,21 @@ class Engine:
             if was_drafted:
                 self.scheduler.commit(seq)  # verified tokens only: the rollback already dropped the rest
             outputs[seq.request_id] = self._output(seq, new)
+        if self.step_hooks:
+            self._call_hooks(plan.scheduled, emitted, started)
         return list(outputs.values())
+
+    def _call_hooks(self, scheduled, emitted, started: float) -> None:
+        info = StepInfo(
+            index=self.metrics.steps, start=started, end=time.perf_counter(),
+            request_ids=tuple(it.seq.request_id for it in scheduled),
+            request_tokens=tuple(it.num_tokens + len(it.draft) for it in scheduled),
+            prefill_tokens=sum(it.num_tokens for it in scheduled if it.num_tokens > 1),
+            decode_tokens=sum(1 for it in scheduled if it.num_tokens == 1),
+            drafted_tokens=sum(len(it.draft) for it in scheduled),
+            accepted_tokens=sum(len(t) - 1 for _, t, d, _ in emitted if d and t))
+        for fn in self.step_hooks:
+            fn(info)
 
     def _verify(self, item, logits: torch.Tensor) -> list[int] | None:
         """Speculation: the tokens a drafted sequence emits, after rolling its KV back to them.
@@ -296,8 +336,10 @@ class Engine:
         seq.metrics.finished = time.perf_counter()
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        lps = seq.logprobs
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), new, seq.status.done,
-                             seq.finish_reason, seq.error, seq.metrics)
+                             seq.finish_reason, seq.error, seq.metrics,
+                             None if lps is None else list(lps), None if lps is None else lps[len(lps) - len(new):])
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
