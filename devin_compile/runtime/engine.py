@@ -109,11 +109,11 @@ class Engine:
                 f"request {rid}: needs {total} KV slots but the whole KV pool holds {pool_tokens}; "
                 "raise kv_cache_memory / num_kv_blocks or lower max_new_tokens"
             )
-        if params.speculative not in (None, False) and (self.spec is None or self.spec.proposer is None):
-            raise ValueError(f"request {rid}: SamplingParams.speculative is set but this model has no speculative "
-                             "decoding; pass speculative={'method': 'ngram'} (or draft/head) to optimize()")
-        seq = Sequence(rid, ids, params, generator=params.make_generator(),
-                       kv_prune_config=resolve_request(self.kv_prune, params))
+        try:
+            kv_prune = self.check_params(params)
+        except ValueError as e:
+            raise ValueError(f"request {rid}: {e}") from None
+        seq = Sequence(rid, ids, params, generator=params.make_generator(), kv_prune_config=kv_prune)
         if self.spec is not None:
             seq.spec = self.spec.admit(seq)
             if seq.spec is not None:
@@ -121,6 +121,14 @@ class Engine:
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid
+
+    def check_params(self, params: SamplingParams) -> KVPruneConfig | None:
+        """``ValueError`` unless this engine can run a request with ``params`` (KV pruning, speculation
+        it does not have); returns the request's resolved KV-pruning setting."""
+        if params.speculative not in (None, False) and (self.spec is None or self.spec.proposer is None):
+            raise ValueError("SamplingParams.speculative is set but this model has no speculative decoding; pass "
+                             "speculative={'method': 'ngram'} (or draft/head) to optimize()")
+        return resolve_request(self.kv_prune, params)
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
