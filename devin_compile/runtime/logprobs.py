@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGPROBS = 20
-FLOOR = -9999.0  # -inf is not JSON: a token the model rules out gets this (as vLLM does)
+FLOOR = -9999.0  # -inf / NaN are not JSON: a token the model rules out gets this (as vLLM does)
 
 
 @dataclass
@@ -36,12 +36,16 @@ def token_logprobs(logp: torch.Tensor, tokens: list[int], ks: list[int]) -> list
         return []
     logp = logp[:len(tokens)]
     chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
-    k = max(ks)
+    k = min(max(ks), logp.shape[-1])
     top_v, top_i = (logp.topk(k, dim=-1) if k else (None, None))
     out = []
     for i, tok in enumerate(tokens):
         top = []
         if ks[i]:
-            top = [(t, max(v, FLOOR)) for t, v in zip(top_i[i, :ks[i]].tolist(), top_v[i, :ks[i]].tolist())]
-        out.append(TokenLogprob(tok, max(chosen[i], FLOOR), top))
+            top = [(t, _floor(v)) for t, v in zip(top_i[i, :ks[i]].tolist(), top_v[i, :ks[i]].tolist())]
+        out.append(TokenLogprob(tok, _floor(chosen[i]), top))
     return out
+
+
+def _floor(v: float) -> float:
+    return v if v >= FLOOR else FLOOR  # also NaN
