@@ -141,3 +141,17 @@ def test_step_hooks_see_every_step(model):
     decode = [s for s in seen if s.decode_tokens]
     assert decode and all(sum(s.request_tokens) == s.decode_tokens + s.drafted_tokens for s in decode)
     assert sum(len(o.output_ids) for o in outs) == 3 * NEW
+
+
+def test_a_raising_step_hook_is_dropped_and_requests_go_on(plain):
+    def broken(info):
+        raise RuntimeError("boom")
+
+    eng = plain.engine
+    eng.add_step_hook(broken)
+    try:
+        out = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+        assert len(out.output_ids) == 4 and out.error is None
+        assert broken not in eng.step_hooks
+    finally:
+        eng.step_hooks.clear()

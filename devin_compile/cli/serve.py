@@ -77,7 +77,8 @@ def add_arguments(p) -> None:
                         "OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise tracing is off)")
     p.add_argument("--trace-steps", action="store_true",
                    help="with tracing on: a child span per engine step under each request's span (step index, "
-                        "batch size, prefill/decode tokens, drafted/accepted tokens); costs a span per request per step")
+                        "batch size, prefill/decode tokens, drafted/accepted tokens); costs a span per request "
+                        "per step")
     p.set_defaults(fn=main)
 
 

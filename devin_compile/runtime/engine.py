@@ -17,6 +17,7 @@ before every step that no slot it writes lies in a shared or registered block.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Iterator, Sequence as Seq
 
@@ -38,6 +39,8 @@ from .scheduler import Scheduler
 from .speculative import SpeculativeDecoder
 from .sequence import Sequence, Status
 from .step_info import StepInfo
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -142,7 +145,8 @@ class Engine:
 
     def add_step_hook(self, fn) -> None:
         """Call ``fn(StepInfo)`` after every step that ran a batch (on the stepping thread; see
-        :mod:`~devin_compile.runtime.step_info`). Without hooks no StepInfo is built."""
+        :mod:`~devin_compile.runtime.step_info`). Without hooks no StepInfo is built. A hook that
+        raises is logged and removed (the step's requests go on)."""
         self.step_hooks.append(fn)
 
     # -- stepping ---------------------------------------------------------
@@ -195,13 +199,9 @@ class Engine:
             want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
             logp = log_probs(rows[want]) if want else None  # before processors edit the rows in place
             plain = self._sample(rows, seqs)
-            emitted.extend((s, None if tok is None else [tok], False, None) for s, tok in zip(seqs, plain))
-            if want:
-                ok = [j for j, i in enumerate(want) if plain[i] is not None]
-                lps = token_logprobs(logp[ok], [plain[want[j]] for j in ok], [seqs[want[j]].params.logprobs for j in ok])
-                for j, lp in zip(ok, lps):
-                    s, toks, _, _ = emitted[want[j]]
-                    emitted[want[j]] = (s, toks, False, [lp])
+            lps = _row_logprobs(logp, want, seqs, plain)
+            emitted.extend((s, None if tok is None else [tok], False, lps.get(i))
+                           for i, (s, tok) in enumerate(zip(seqs, plain)))
             if drafted:
                 spec.totals.verify_s += t_fwd
             for item, first, count in drafted:
@@ -259,8 +259,12 @@ class Engine:
             decode_tokens=sum(1 for it in scheduled if it.num_tokens == 1),
             drafted_tokens=sum(len(it.draft) for it in scheduled),
             accepted_tokens=sum(len(t) - 1 for _, t, d, _ in emitted if d and t))
-        for fn in self.step_hooks:
-            fn(info)
+        for fn in list(self.step_hooks):
+            try:
+                fn(info)
+            except Exception:  # noqa: BLE001  (a hook failing must not fail the requests: it is dropped)
+                log.exception("step hook %r raised; it is removed", fn)
+                self.step_hooks.remove(fn)
 
     def _verify(self, item, logits: torch.Tensor) -> list[int] | None:
         """Speculation: the tokens a drafted sequence emits, after rolling its KV back to them.
@@ -501,6 +505,18 @@ class Engine:
 
 class _ProcessorError(Exception):
     pass
+
+
+def _row_logprobs(logp: torch.Tensor | None, want: list[int], seqs: list[Sequence],
+                  picked: list[int | None]) -> dict[int, list[TokenLogprob]]:
+    """Row → [TokenLogprob of its sampled token], for the rows ``want`` (``logp``: their log-probabilities)
+    that sampled one."""
+    ok = [j for j, i in enumerate(want) if picked[i] is not None]
+    if not ok:
+        return {}
+    rows = [want[j] for j in ok]
+    lps = token_logprobs(logp[ok], [picked[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+    return {i: [lp] for i, lp in zip(rows, lps)}
 
 
 def _row_groups(owners: list[int]) -> Iterator[tuple[int, tuple[int, int]]]:

@@ -1,7 +1,8 @@
 """What one engine step did, for step hooks (:meth:`Engine.add_step_hook`): :class:`StepInfo`.
 
 Built only while a hook is registered (an engine without hooks pays nothing); hooks run on the
-thread that steps the engine, right after the step, and must be quick and must not raise.
+thread that steps the engine, right after the step, and must be quick (one that raises is
+logged and removed).
 """
 from __future__ import annotations
 

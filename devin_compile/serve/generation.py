@@ -5,8 +5,8 @@ iterates :meth:`AsyncEngine.outputs`, detokenises incrementally with stop string
 (:class:`~devin_compile.serve.detokenizer.TextStream`) and puts ``(choice, delta, finish,
 logprobs)`` events on one queue, which :meth:`events` yields in arrival order (``logprobs``: the
 :class:`~devin_compile.runtime.logprobs.TokenLogprob` of the tokens since the choice's last event,
-when the request asked for them, so a stream carries each token's logprob exactly once). A stop string ends its
-choice at once (its engine request is aborted, its KV blocks freed). :meth:`close` cancels
+when the request asked for them, so a stream carries each token's logprob exactly once). A stop
+string ends its choice at once (its engine request is aborted, its KV blocks freed). :meth:`close` cancels
 whatever still runs: that is how a client that went away, a ``timeout`` or shutdown
 aborts the request. Invariant: every engine request a Generation starts is finished or
 aborted when ``close`` returns, and its metrics are recorded once.
