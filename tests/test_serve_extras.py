@@ -216,6 +216,5 @@ def test_trace_steps_are_children_of_the_request_span(server, client):
         assert sum(x["devin.step.accepted_tokens"] for x in a) > 0
         assert all(x["devin.step.accepted_tokens"] <= x["devin.step.drafted_tokens"] for x in a)
         assert all(request.start_time <= s.start_time <= s.end_time <= request.end_time for s in choice_steps)
-    n_steps = len(steps)
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)  # tracing off again
-    assert len(exporter.get_finished_spans()) == len(spans) and len(steps) == n_steps
+    assert len(exporter.get_finished_spans()) == len(spans)  # the hook stays, but makes no span
