@@ -7,6 +7,7 @@ of their request's span, in the client's trace."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
