@@ -3,6 +3,7 @@ vs the same workload through the in-process engine, and metrics + tracing on vs 
 
     python bench/serve.py [--workload ../shared/workloads/mixed-64.jsonl] [--requests N]
                           [--rates 0.25 0.5 1] [--poisson-requests N] [--model PATH]
+                          [--trace-steps] [--out serve.json]
 
 1. In-process: every request added to ``opt.engine`` at t=0, stepped to the end (as
    bench/throughput.py does). 2. Server "off" (``--no-metrics``, no tracing) and server
@@ -12,8 +13,9 @@ vs the same workload through the in-process engine, and metrics + tracing on vs 
    from elsewhere falls on all alike. Reported: generated tokens/s, ratios server/in-process
    and on/off, and whether the server's text equals the in-process tokens decoded. 3. TTFT
    p50/p99 on the "on" server under Poisson arrivals at a few rates (requests/s), as a table
-   and a PNG.
-Writes bench/results/serve.json and bench/results/serve-ttft.png. The client runs on the
+   and a PNG (``--rates`` with no value: skipped). ``--trace-steps`` adds a fourth, server
+   "on_steps" (metrics + ``--trace-file`` + ``--trace-steps``), to the alternation.
+Writes bench/results/serve.json (or ``--out``) and bench/results/serve-ttft.png. The client runs on the
 same CPU as the server (its cost is part of the measured overhead).
 """
 from __future__ import annotations
@@ -176,6 +178,9 @@ def main() -> None:
     ap.add_argument("--poisson-requests", type=int, default=16, help="requests per Poisson rate")
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each of the three (median)")
+    ap.add_argument("--trace-steps", action="store_true",
+                    help="also run a server with --trace-file --trace-steps (a span per request per engine step)")
+    ap.add_argument("--out", default="serve.json", help="file name under bench/results (default serve.json)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch/OpenMP threads of the engine, in-process and in the servers alike (default 1: on a "
                          "small shared CPU, OpenMP barriers with contended cores cost more than they gain)")
@@ -196,12 +201,17 @@ def main() -> None:
     trace = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
     servers = {"server_off": ServerProcess(args.model, ["--no-metrics"]),
                "server_on": ServerProcess(args.model, ["--trace-file", trace])}
-    runs: dict[str, list[dict]] = {"in_process": [], "server_off": [], "server_on": []}
+    step_trace = None
+    if args.trace_steps:
+        step_trace = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
+        servers["server_on_steps"] = ServerProcess(args.model, ["--trace-file", step_trace, "--trace-steps"])
+    runs: dict[str, list[dict]] = {"in_process": [], **{name: [] for name in servers}}
     order = list(runs)
     poisson_rows = []
     try:
         for rep in range(args.repeats):
-            for name in order[rep % 3:] + order[:rep % 3]:
+            k = rep % len(order)
+            for name in order[k:] + order[:k]:
                 res = in_process(opt, rows) if name == "in_process" else \
                     asyncio.run(all_at_once(servers[name].url, rows))
                 runs[name].append(res)
@@ -223,9 +233,11 @@ def main() -> None:
         }
         if name in exits:
             results[name]["exit_code_after_sigterm"] = exits[name]
-    with open(trace) as f:
-        results["server_on"]["spans_written"] = sum(1 for _ in f)
-    os.unlink(trace)
+    for name, path in (("server_on", trace), ("server_on_steps", step_trace)):
+        if path is not None:
+            with open(path) as f:
+                results[name]["spans_written"] = sum(1 for _ in f)
+            os.unlink(path)
     results["server_on"]["poisson"] = poisson_rows
     med = {k: v["gen_tok_s_median"] for k, v in results.items()}
     out["results"] = results
@@ -234,10 +246,14 @@ def main() -> None:
         "server_on_vs_in_process": med["server_on"] / med["in_process"],
         "on_vs_off": med["server_on"] / med["server_off"],
     }
+    if "server_on_steps" in med:
+        out["ratios"]["on_steps_vs_off"] = med["server_on_steps"] / med["server_off"]
+        out["ratios"]["on_steps_vs_on"] = med["server_on_steps"] / med["server_on"]
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "serve.json"), "w") as f:
+    with open(os.path.join(HERE, "results", args.out), "w") as f:
         json.dump(out, f, indent=2)
-    plot(results["server_on"]["poisson"], os.path.join(HERE, "results", "serve-ttft.png"))
+    if poisson_rows:
+        plot(poisson_rows, os.path.join(HERE, "results", "serve-ttft.png"))
     print(json.dumps(out["ratios"], indent=2))
     print("| rate (req/s) | TTFT p50 (ms) | TTFT p99 (ms) |\n|---|---|---|")
     for p in results["server_on"]["poisson"]:

@@ -111,7 +111,11 @@ def test_chat_template_and_message_errors(tok):
     ({"model": "m", "prompt": "x", "n": 0}, "n"),
     ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
     ({"model": "m", "prompt": "x", "seed": 1.5}, "seed"),
-    ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+    ({"model": "m", "prompt": "x", "speculative": "on"}, "speculative"),
+    ({"model": "m", "prompt": "x", "speculative": {"num_tokens": 0}}, "speculative"),
+    ({"model": "m", "prompt": "x", "speculative": {"depth": 3}}, "speculative"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "m", "prompt": "x", "timeout": -1}, "timeout"),
@@ -124,10 +128,20 @@ def test_bad_fields_are_named(body, param):
     assert e.value.status == 400 and e.value.param == param and param in e.value.message
 
 
-def test_chat_logprobs_refused_and_defaults():
-    with pytest.raises(APIError, match="not supported") as e:
-        parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, chat=True)
-    assert e.value.param == "logprobs"
+def test_chat_logprobs_speculative_and_defaults():
+    msgs = [{"role": "user", "content": "x"}]
+    assert parse_request({"model": "m", "messages": msgs}, chat=True).logprobs is None
+    assert parse_request({"model": "m", "messages": msgs, "logprobs": True}, chat=True).logprobs == 0
+    assert parse_request({"model": "m", "messages": msgs, "logprobs": True, "top_logprobs": 5}, chat=True).logprobs == 5
+    for body, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 2}, "logprobs"),
+                        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")]:
+        with pytest.raises(APIError) as e:
+            parse_request({"model": "m", "messages": msgs, **body}, chat=True)
+        assert e.value.status == 400 and e.value.param == param
+    r = parse_request({"model": "m", "prompt": "x", "speculative": {"num_tokens": 2}, "logprobs": 3}, chat=False)
+    kw = r.sampling_kwargs(0)
+    assert kw["logprobs"] == 3 and kw["speculative"].num_tokens == 2
+    assert parse_request({"model": "m", "prompt": "x", "speculative": False}, chat=False).speculative is False
     r = parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
                        "seed": 3, "n": 2, "temperature": 0.5}, chat=True)
     assert r.max_tokens == 5 and [r.sampling_kwargs(i)["seed"] for i in range(2)] == [3, 4]

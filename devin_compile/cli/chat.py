@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from . import common
-from .serve import add_optimize_arguments, optimize_options
+from .serve import add_optimize_arguments, load_optimized, optimize_options
 
 HELP = "chat with a model in the terminal (history kept, replies streamed)"
 DESCRIPTION = ("Load SmolLM2-135M-Instruct (or --model PATH), optimize it, and chat: each line you type is a user "
@@ -28,8 +28,8 @@ def main(args) -> int:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     options = optimize_options(args)
     con = common.console()
-    model, tok = common.load(args, con)
-    opt = common.optimize(model, tok, con, **options)
+    opt = load_optimized(args, options, con)
+    tok = opt.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template, so it cannot chat; use devin-compile run")
     start = [{"role": "system", "content": args.system}] if args.system else []

@@ -54,6 +54,46 @@ def check_options(args, **options: Any) -> dict:
     return options
 
 
+def add_speculative_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """--speculative METHOD (``what`` it does in this subcommand), --spec-tokens, --draft-model, --head-layers."""
+    p.add_argument("--speculative", choices=["ngram", "draft", "head"], default=None,
+                   help=f"{what} (draft: --draft-model, default an RTN INT4 copy of the model; head: the "
+                        "model's first --head-layers layers)")
+    p.add_argument("--spec-tokens", type=int_at_least(1), default=4, metavar="N",
+                   help="most tokens proposed per step with --speculative (default 4)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="--speculative draft: a local HF model folder or .gguf with the same vocabulary "
+                        "(default: self-int4, the model itself with RTN INT4 weights)")
+    p.add_argument("--head-layers", type=int_at_least(1), default=2, metavar="N",
+                   help="--speculative head: the model's first N layers propose (default 2)")
+
+
+def speculative_config(args) -> dict | None:
+    """The ``speculative=`` dict --speculative asks for (validated before any model is loaded);
+    a --draft-model path stays a path until :func:`load_draft`."""
+    if args.speculative is None:
+        return None
+    from ..config import SpeculativeConfig
+
+    spec = {"method": args.speculative, "num_tokens": args.spec_tokens}
+    if args.speculative == "head":
+        spec["layers"] = args.head_layers
+    if args.speculative == "draft":
+        if args.draft_model is not None and not os.path.exists(args.draft_model):
+            raise FileNotFoundError(f"--draft-model {args.draft_model} does not exist")
+        spec["model"] = args.draft_model or "self-int4"
+        SpeculativeConfig(**{**spec, "model": "self-int4"})
+    else:
+        SpeculativeConfig(**spec)
+    return spec
+
+
+def load_draft(args, spec: dict, con) -> None:
+    """Replace a --draft-model path in ``spec`` by the loaded model (in --dtype)."""
+    if spec.get("model") not in (None, "self-int4"):
+        spec["model"], _ = load(argparse.Namespace(model=spec["model"], dtype=args.dtype), con)
+
+
 def console():
     from rich.console import Console
 

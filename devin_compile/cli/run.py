@@ -1,8 +1,6 @@
 """``devin-compile run``: optimize a model, answer prompts, and time batch-1 decode against HF eager."""
 from __future__ import annotations
 
-import argparse
-import os
 import time
 
 from . import common
@@ -31,16 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=common.int_at_least(1), default=3, metavar="N",
                    help="timed runs per engine; the median is reported (default 3)")
     p.add_argument("--no-bench", action="store_true", help="skip the HF-vs-devin timing")
-    p.add_argument("--speculative", choices=["ngram", "draft", "head"], default=None,
-                   help="also time devin-compile with speculative decoding by this method, side by side, with "
-                        "its acceptance table (draft: --draft-model, default an RTN INT4 copy of the model)")
-    p.add_argument("--spec-tokens", type=common.int_at_least(1), default=4, metavar="N",
-                   help="most tokens proposed per step with --speculative (default 4)")
-    p.add_argument("--draft-model", default=None, metavar="PATH",
-                   help="--speculative draft: a local HF model folder or .gguf with the same vocabulary "
-                        "(default: self-int4, the model itself with RTN INT4 weights)")
-    p.add_argument("--head-layers", type=common.int_at_least(1), default=2, metavar="N",
-                   help="--speculative head: the model's first N layers propose (default 2)")
+    common.add_speculative_arguments(p, "also time devin-compile with speculative decoding by this method, side by "
+                                        "side, with its acceptance table")
     p.set_defaults(fn=main)
 
 
@@ -55,7 +45,7 @@ def main(args) -> int:
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
     options = common.check_options(args)
-    spec = _spec_config(args)
+    spec = common.speculative_config(args)
     con = common.console()
     model, tok = common.load(args, con)
     opt = common.optimize(model, tok, con, **options)
@@ -73,32 +63,12 @@ def main(args) -> int:
     con.print(f"{len(prompts)} prompts batched: {sum(map(len, outs))} tokens in {dt:.2f} s")
     spec_opt = None
     if spec is not None:
-        if spec.get("model") not in (None, "self-int4"):
-            spec["model"], _ = common.load(argparse.Namespace(model=spec["model"], dtype=args.dtype), con)
+        common.load_draft(args, spec, con)
         with con.status(f"optimizing with speculative={spec['method']} ..."):
             spec_opt = optimize(model, tokenizer=tok, speculative=spec, **options)
     if not args.no_bench:
         _bench(args, con, model, opt, ids[0], spec_opt)
     return 0
-
-
-def _spec_config(args) -> dict | None:
-    """The ``speculative=`` dict --speculative asks for (validated before any model is loaded)."""
-    if args.speculative is None:
-        return None
-    from ..config import SpeculativeConfig
-
-    spec = {"method": args.speculative, "num_tokens": args.spec_tokens}
-    if args.speculative == "head":
-        spec["layers"] = args.head_layers
-    if args.speculative == "draft":
-        if args.draft_model is not None and not os.path.exists(args.draft_model):
-            raise FileNotFoundError(f"--draft-model {args.draft_model} does not exist")
-        spec["model"] = args.draft_model or "self-int4"
-        SpeculativeConfig(**{**spec, "model": "self-int4"})
-    else:
-        SpeculativeConfig(**spec)
-    return spec
 
 
 def _bench(args, con, model, opt, bench_ids: list[int], spec_opt=None) -> None:

@@ -12,7 +12,9 @@ HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streamin
 DESCRIPTION = ("Load SmolLM2-135M-Instruct (or --model PATH), optimize it, and serve it on http://HOST:PORT with "
                "the OpenAI API: /v1/completions, /v1/chat/completions (stream with server-sent events), /v1/models, "
                "/health and Prometheus /metrics. Any optimize() option can be given with --option KEY=VALUE or in "
-               "a JSON --config file. SIGTERM or Ctrl-C stops accepting requests, lets those in flight finish for "
+               "a JSON --config file; --speculative turns speculative decoding on (a request may turn it off or tune "
+               "it with the extra body field \"speculative\"). SIGTERM or Ctrl-C stops accepting requests, lets those "
+               "in flight finish for "
                "up to --shutdown-timeout seconds, aborts the rest and exits 0.")
 
 
@@ -54,6 +56,8 @@ def add_optimize_arguments(p) -> None:
     p.add_argument("--kv-cache-redis", metavar="URL",
                    help="share prefix KV blocks across replicas through Redis, e.g. redis://127.0.0.1:6379/0 "
                         "(the last tier, below --kv-cache-host-bytes)")
+    common.add_speculative_arguments(p, "decode with speculative decoding by this method (a server request can "
+                                        "turn it off or tune it with the extra body field \"speculative\")")
 
 
 def add_arguments(p) -> None:
@@ -71,6 +75,10 @@ def add_arguments(p) -> None:
     p.add_argument("--trace-file", metavar="FILE",
                    help="write an OpenTelemetry span per request to FILE as JSON lines (traces are also exported by "
                         "OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise tracing is off)")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="with tracing on: a child span per engine step under each request's span (step index, "
+                        "batch size, prefill/decode tokens, drafted/accepted tokens); costs a span per request "
+                        "per step")
     p.set_defaults(fn=main)
 
 
@@ -98,7 +106,19 @@ def optimize_options(args) -> dict:
         tiers.append({"backend": "redis", "url": args.kv_cache_redis})
     if tiers:
         options["kv_cache_tiers"] = tiers
-    return common.check_options(args, **options)
+    options = common.check_options(args, **options)
+    spec = common.speculative_config(args)  # after the check: a --draft-model path is loaded in main()
+    if spec is not None:
+        options["speculative"] = spec
+    return options
+
+
+def load_optimized(args, options: dict, con):
+    """Load --model (and a --draft-model), then ``optimize()`` it with ``options``."""
+    model, tok = common.load(args, con)
+    if args.speculative is not None:
+        common.load_draft(args, options["speculative"], con)
+    return common.optimize(model, tok, con, **options)
 
 
 def model_name(args) -> str:
@@ -111,19 +131,22 @@ def model_name(args) -> str:
 
 def main(args) -> int:
     options = optimize_options(args)
+    from ..serve.tracing import OTLP_VARIABLES, make_tracing
+
     if args.trace_file is not None:
         folder = os.path.dirname(os.path.abspath(args.trace_file))
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"--trace-file {args.trace_file}: folder {folder} does not exist")
+    elif args.trace_steps and not any(os.environ.get(v) for v in OTLP_VARIABLES):
+        raise ValueError("--trace-steps needs tracing on: give --trace-file FILE or set OTEL_EXPORTER_OTLP_ENDPOINT")
     con = common.console()
-    model, tok = common.load(args, con)
-    opt = common.optimize(model, tok, con, **options)
+    opt = load_optimized(args, options, con)
     from ..serve.app import Server
     from ..serve.server import serve
-    from ..serve.tracing import make_tracing
 
-    server = Server(opt, model_name(args), max_queue=args.max_queue, metrics=not args.no_metrics,
-                    tracing=make_tracing(args.trace_file, service_name=f"devin-compile {model_name(args)}"))
+    tracing = make_tracing(args.trace_file, service_name=f"devin-compile {model_name(args)}",
+                           trace_steps=args.trace_steps)
+    server = Server(opt, model_name(args), max_queue=args.max_queue, metrics=not args.no_metrics, tracing=tracing)
 
     def ready(url: str) -> None:
         print(f"serving {server.model_name} on {url}/v1 (Ctrl-C or SIGTERM to stop)", flush=True)

@@ -84,6 +84,11 @@ class AsyncEngine:
         early (``aclose()``) aborts the request."""
         return self._outputs(prompt, params, request_id)
 
+    def add_step_hook(self, fn) -> None:
+        """Call ``fn(StepInfo)`` on the step thread after every engine step that ran a batch
+        (:meth:`Engine.add_step_hook`; e.g. the server's per-step trace spans). ``fn`` must be quick."""
+        self.engine.add_step_hook(fn)
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None, None))
         self._wake.set()

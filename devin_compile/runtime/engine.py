@@ -17,6 +17,7 @@ before every step that no slot it writes lies in a shared or registered block.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Iterator, Sequence as Seq
 
@@ -29,6 +30,7 @@ from .engine_metrics import SLOT_SAMPLE_EVERY, EngineMetrics, slot_usage
 from .kv_cache import BlockAllocator
 from .kv_prune import KVPruner, resolve_request
 from .kv_tiers import KVTiers
+from .logprobs import TokenLogprob, log_probs, token_logprobs
 from .prefix_cache import PrefixCache
 from .request_output import RequestError, RequestOutput
 from .runner_protocol import Runner
@@ -36,6 +38,9 @@ from .sampling import SamplingParams, sample_batch
 from .scheduler import Scheduler
 from .speculative import SpeculativeDecoder
 from .sequence import Sequence, Status
+from .step_info import StepInfo
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -76,6 +81,7 @@ class Engine:
         self.spec = speculative
         self.requests: dict[str, Sequence] = {}
         self.metrics = EngineMetrics()
+        self.step_hooks: list = []
         self._ids = itertools.count()
 
     # -- request API ------------------------------------------------------
@@ -106,11 +112,11 @@ class Engine:
                 f"request {rid}: needs {total} KV slots but the whole KV pool holds {pool_tokens}; "
                 "raise kv_cache_memory / num_kv_blocks or lower max_new_tokens"
             )
-        if params.speculative not in (None, False) and (self.spec is None or self.spec.proposer is None):
-            raise ValueError(f"request {rid}: SamplingParams.speculative is set but this model has no speculative "
-                             "decoding; pass speculative={'method': 'ngram'} (or draft/head) to optimize()")
-        seq = Sequence(rid, ids, params, generator=params.make_generator(),
-                       kv_prune_config=resolve_request(self.kv_prune, params))
+        try:
+            kv_prune = self.check_params(params)
+        except ValueError as e:
+            raise ValueError(f"request {rid}: {e}") from None
+        seq = Sequence(rid, ids, params, generator=params.make_generator(), kv_prune_config=kv_prune)
         if self.spec is not None:
             seq.spec = self.spec.admit(seq)
             if seq.spec is not None:
@@ -118,6 +124,14 @@ class Engine:
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid
+
+    def check_params(self, params: SamplingParams) -> KVPruneConfig | None:
+        """``ValueError`` unless this engine can run a request with ``params`` (KV pruning, speculation
+        it does not have); returns the request's resolved KV-pruning setting."""
+        if params.speculative not in (None, False) and (self.spec is None or self.spec.proposer is None):
+            raise ValueError("SamplingParams.speculative is set but this model has no speculative decoding; pass "
+                             "speculative={'method': 'ngram'} (or draft/head) to optimize()")
+        return resolve_request(self.kv_prune, params)
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -129,8 +143,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def add_step_hook(self, fn) -> None:
+        """Call ``fn(StepInfo)`` after every step that ran a batch (on the stepping thread; see
+        :mod:`~devin_compile.runtime.step_info`). Without hooks no StepInfo is built. A hook that
+        raises is logged and removed (the step's requests go on)."""
+        self.step_hooks.append(fn)
+
     # -- stepping ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         spec = self.spec
         if spec is not None:
             spec.plan(self.scheduler.running, self.max_model_len)
@@ -170,19 +191,29 @@ class Engine:
                 drafted.append((item, first, count))
             else:
                 plain_rows.append((first, item.seq))
-        emitted: list[tuple[Sequence, list[int] | None, bool]] = []
+        # (sequence, tokens to append or None, drafted?, their TokenLogprobs or None)
+        emitted: list[tuple[Sequence, list[int] | None, bool, list[TokenLogprob] | None]] = []
         with torch.inference_mode():
             rows = logits if not drafted else logits[[r for r, _ in plain_rows]]
-            plain = self._sample(rows, [s for _, s in plain_rows])
-            emitted.extend((s, None if tok is None else [tok], False) for (_, s), tok in zip(plain_rows, plain))
+            seqs = [s for _, s in plain_rows]
+            want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+            logp = log_probs(rows[want]) if want else None  # before processors edit the rows in place
+            plain = self._sample(rows, seqs)
+            lps = _row_logprobs(logp, want, seqs, plain)
+            emitted.extend((s, None if tok is None else [tok], False, lps.get(i))
+                           for i, (s, tok) in enumerate(zip(seqs, plain)))
             if drafted:
                 spec.totals.verify_s += t_fwd
             for item, first, count in drafted:
                 item.seq.spec.metrics.verify_s += t_fwd
-                tokens = self._verify(item, logits[first:first + count])
+                k = item.seq.params.logprobs
+                logp = log_probs(logits[first:first + count]) if k is not None else None
+                toks = self._verify(item, logits[first:first + count])
                 if prune_step is not None:  # KV pruning scores and counts the verified rows only
-                    prune_step.commit(item.seq, None if tokens is None else len(tokens) - 1)
-                emitted.append((item.seq, tokens, True))
+                    prune_step.commit(item.seq, None if toks is None else len(toks) - 1)
+                # token j of a verify step comes from row j (accepted proposals, then the target's own)
+                lps = token_logprobs(logp, toks, [k] * len(toks)) if toks and logp is not None else None
+                emitted.append((item.seq, toks, True, lps))
         dt = time.perf_counter() - t0
         self.metrics.steps += 1
         if self.metrics.steps % SLOT_SAMPLE_EVERY == 1:
@@ -191,18 +222,20 @@ class Engine:
             self.metrics.allocated_slots_sampled += allocated
         if is_decode:
             self.metrics.decode_time += dt
-            self.metrics.decode_tokens += sum(len(t) for _, t, _ in emitted if t)
+            self.metrics.decode_tokens += sum(len(t) for _, t, _, _ in emitted if t)
         else:
             self.metrics.prefill_time += dt
             self.metrics.prefill_tokens += plan.num_tokens
         now = time.perf_counter()
-        for seq, toks, was_drafted in emitted:
+        for seq, toks, was_drafted, lps in emitted:
             if not toks:  # failed (e.g. a logits processor raised) or recomputed next step
                 outputs[seq.request_id] = self._output(seq, [])
                 continue
             new = []
-            for tok in toks:
+            for j, tok in enumerate(toks):
                 seq.output_ids.append(tok)
+                if lps is not None:
+                    seq.logprobs.append(lps[j])
                 seq.metrics.token_times.append(now)
                 if seq.metrics.first_token is None:
                     seq.metrics.first_token = now
@@ -215,7 +248,25 @@ class Engine:
             if was_drafted:
                 self.scheduler.commit(seq)  # verified tokens only: the rollback already dropped the rest
             outputs[seq.request_id] = self._output(seq, new)
+        if self.step_hooks:
+            self._call_hooks(plan.scheduled, emitted, started)
         return list(outputs.values())
+
+    def _call_hooks(self, scheduled, emitted, started: float) -> None:
+        info = StepInfo(
+            index=self.metrics.steps, start=started, end=time.perf_counter(),
+            request_ids=tuple(it.seq.request_id for it in scheduled),
+            request_tokens=tuple(it.num_tokens + len(it.draft) for it in scheduled),
+            prefill_tokens=sum(it.num_tokens for it in scheduled if it.num_tokens > 1),
+            decode_tokens=sum(1 for it in scheduled if it.num_tokens == 1),
+            drafted_tokens=sum(len(it.draft) for it in scheduled),
+            accepted_tokens=sum(len(t) - 1 for _, t, d, _ in emitted if d and t))
+        for fn in list(self.step_hooks):
+            try:
+                fn(info)
+            except Exception:  # noqa: BLE001  (a hook failing must not fail the requests: it is dropped)
+                log.exception("step hook %r raised; it is removed", fn)
+                self.step_hooks.remove(fn)
 
     def _verify(self, item, logits: torch.Tensor) -> list[int] | None:
         """Speculation: the tokens a drafted sequence emits, after rolling its KV back to them.
@@ -299,8 +350,10 @@ class Engine:
         seq.metrics.finished = time.perf_counter()
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        lps = seq.logprobs
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), new, seq.status.done,
-                             seq.finish_reason, seq.error, seq.metrics)
+                             seq.finish_reason, seq.error, seq.metrics,
+                             None if lps is None else list(lps), None if lps is None else lps[len(lps) - len(new):])
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -454,6 +507,18 @@ class Engine:
 
 class _ProcessorError(Exception):
     pass
+
+
+def _row_logprobs(logp: torch.Tensor | None, want: list[int], seqs: list[Sequence],
+                  picked: list[int | None]) -> dict[int, list[TokenLogprob]]:
+    """Row → [TokenLogprob of its sampled token], for the rows ``want`` (``logp``: their log-probabilities)
+    that sampled one."""
+    ok = [j for j, i in enumerate(want) if picked[i] is not None]
+    if not ok:
+        return {}
+    rows = [want[j] for j in ok]
+    lps = token_logprobs(logp[ok], [picked[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+    return {i: [lp] for i, lp in zip(rows, lps)}
 
 
 def _row_groups(owners: list[int]) -> Iterator[tuple[int, tuple[int, int]]]:

@@ -24,3 +24,6 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     metrics: object = None
+    # SamplingParams.logprobs set: runtime/logprobs.TokenLogprob of every output token / of new_ids
+    logprobs: list | None = None
+    new_logprobs: list | None = None

@@ -11,6 +11,8 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
+from .logprobs import MAX_LOGPROBS
+
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
@@ -33,6 +35,9 @@ class SamplingParams:
     # Speculative decoding for this request: None (the engine's setting), False (off), True (on with the
     # engine's settings), or a dict / SpeculativeRequest (num_tokens, acceptance_threshold, adaptive).
     speculative: object = None
+    # Log-probabilities of the emitted tokens (runtime/logprobs.py): None (off), or how many top
+    # alternatives to keep per token (0..20; 0: the chosen token's logprob only).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -49,6 +54,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (token_ids, logits) -> logits")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={self.logprobs!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}] "
+                             "(top alternatives per token)")
         if self.kv_prune is not None and self.kv_prune is not False:
             from ..config import KVPruneConfig
 

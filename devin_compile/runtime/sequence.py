@@ -69,6 +69,12 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     spec: object = None  # runtime/speculative/adaptive.SpecState when the request speculates
     spec_lookahead: int = 0  # proposals the next step may verify (set by SpeculativeDecoder.plan)
+    # SamplingParams.logprobs set: one runtime/logprobs.TokenLogprob per output token (else None)
+    logprobs: list | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def all_ids(self) -> list[int]:

@@ -8,7 +8,11 @@ tokenizer's chat template) and checked against the context and the KV pool, then
 :class:`~devin_compile.serve.generation.Generation`. Streams are server-sent events ending
 in ``data: [DONE]``. A client that goes away (streamed or not) aborts its request; with
 ``max_queue`` requests waiting for their first token, new ones get 429 + ``Retry-After``.
-Errors are OpenAI-shaped JSON; a failing request never affects the others.
+Errors are OpenAI-shaped JSON; a failing request never affects the others. Logprobs, when
+asked for, ride on each choice (and each streamed chunk) in OpenAI's shapes
+(:mod:`~devin_compile.serve.logprobs`). With a :class:`~devin_compile.serve.tracing.Tracing`
+whose ``trace_steps`` is on, the first traced request adds a step hook to the engine and every
+engine step gets child spans under the requests it ran.
 """
 from __future__ import annotations
 
@@ -25,10 +29,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..runtime.async_engine import AsyncEngine
-from ..runtime.kv_prune import resolve_request as resolve_kv_prune
 from ..runtime.sampling import SamplingParams
 from .detokenizer import TextStream
 from .generation import Choice, Generation
+from .logprobs import LogprobFormatter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import APIError, GenerationRequest, bad, parse_json, parse_request
 from .templates import chat_prompt_ids
@@ -53,6 +57,8 @@ class Server:
         self.queued = 0  # engine requests submitted that have no token yet
         self.metrics = ServerMetrics(opt.engine, lambda: self.queued) if metrics else None
         self.tracing = tracing  # a serve.tracing.Tracing, or None: no OpenTelemetry call at all
+        self._step_hook = False  # added to the engine by the first request traced with trace_steps
+        self.logprobs = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -127,6 +133,8 @@ class Server:
             return error_response(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gen = Generation(self, rid, choices, n=req.n, timeout=req.timeout, received=received)
+        if span is not None and self.tracing.trace_steps:
+            self._watch_steps(span, gen)
         if req.stream:
             def closed() -> None:  # the stream never started (the client left at once): abort, count it
                 if not gen.closed:
@@ -153,7 +161,21 @@ class Server:
         if self.metrics is not None:
             self.metrics.request_done(endpoint, status)
         if span is not None:
+            if gen is not None:
+                self.tracing.unwatch(gen.engine_ids)
             self.tracing.finish(span, gen, status, self.model_name, error)
+
+    def _watch_steps(self, span, gen: Generation) -> None:
+        """--trace-steps: the engine's steps that run ``gen``'s choices become child spans of ``span``."""
+        if not self._step_hook:
+            self._step_hook = True
+            self.engine.add_step_hook(self._on_step)
+        self.tracing.watch(span, gen.engine_ids)
+
+    def _on_step(self, info) -> None:
+        tracing = self.tracing
+        if tracing is not None:
+            tracing.on_step(info)
 
     def _choices(self, req: GenerationRequest, chat: bool) -> list[Choice]:
         engine = self.opt.engine
@@ -187,20 +209,33 @@ class Server:
                 index = p * req.n + i
                 try:
                     params = SamplingParams(max_new_tokens=max_tokens, **req.sampling_kwargs(i))
-                    resolve_kv_prune(engine.kv_prune, params)  # does this model allow the request's kv_prune?
+                    engine.check_params(params)  # does this model allow the request's kv_prune, speculative?
                 except ValueError as e:
-                    raise bad("kv_prune" if "kv_prune" in str(e).lower() or "pruning" in str(e) else None,
-                              str(e)) from None
+                    msg = str(e)
+                    raise bad("speculative" if "speculative" in msg else
+                              "kv_prune" if "kv_prune" in msg.lower() or "pruning" in msg else None, msg) from None
                 out.append(Choice(index, ids, params, TextStream(self.tokenizer, ids, req.stop)))
         return out
 
     # -- response bodies ----------------------------------------------------------
+    def _logprobs(self, c: Choice, entries: list | None, req: GenerationRequest, chat: bool) -> dict | None:
+        """The OpenAI ``logprobs`` object of ``entries`` (None when the request did not ask)."""
+        if req.logprobs is None:
+            return None
+        if chat:
+            return self.logprobs.chat(entries or [])
+        body, c.text_offset = self.logprobs.completion(entries or [], c.text_offset)
+        return body
+
     def _body(self, gen: Generation, req: GenerationRequest, chat: bool) -> dict:
+        def lps(c: Choice):
+            return self._logprobs(c, c.output.logprobs if c.output is not None else None, req, chat)
+
         if chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                        "logprobs": None, "finish_reason": c.finish_reason} for c in gen.choices]
+                        "logprobs": lps(c), "finish_reason": c.finish_reason} for c in gen.choices]
         else:
-            choices = [{"index": c.index, "text": c.text.text, "logprobs": None, "finish_reason": c.finish_reason}
+            choices = [{"index": c.index, "text": c.text.text, "logprobs": lps(c), "finish_reason": c.finish_reason}
                        for c in gen.choices]
         return {"id": gen.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": gen.usage()}
@@ -218,14 +253,15 @@ class Server:
             if chat:
                 yield self._chunk(gen, req, chat, [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None} for c in gen.choices])
-            async for c, delta, finish in gen.events():
+            async for c, delta, finish, logprobs in gen.events():
                 if not delta and finish is None:
                     continue
+                lps = self._logprobs(c, logprobs, req, chat)
                 if chat:
-                    choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": None,
+                    choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lps,
                               "finish_reason": finish}
                 else:
-                    choice = {"index": c.index, "text": delta, "logprobs": None, "finish_reason": finish}
+                    choice = {"index": c.index, "text": delta, "logprobs": lps, "finish_reason": finish}
                 yield self._chunk(gen, req, chat, [choice])
             if req.include_usage:
                 yield self._chunk(gen, req, chat, [], gen.usage())

@@ -2,9 +2,11 @@
 
 A :class:`Generation` starts one asyncio task per choice (prompt x ``n``); each task
 iterates :meth:`AsyncEngine.outputs`, detokenises incrementally with stop strings
-(:class:`~devin_compile.serve.detokenizer.TextStream`) and puts ``(choice, delta, finish)``
-events on one queue, which :meth:`events` yields in arrival order. A stop string ends its
-choice at once (its engine request is aborted, its KV blocks freed). :meth:`close` cancels
+(:class:`~devin_compile.serve.detokenizer.TextStream`) and puts ``(choice, delta, finish,
+logprobs)`` events on one queue, which :meth:`events` yields in arrival order (``logprobs``: the
+:class:`~devin_compile.runtime.logprobs.TokenLogprob` of the tokens since the choice's last event,
+when the request asked for them, so a stream carries each token's logprob exactly once). A stop
+string ends its choice at once (its engine request is aborted, its KV blocks freed). :meth:`close` cancels
 whatever still runs: that is how a client that went away, a ``timeout`` or shutdown
 aborts the request. Invariant: every engine request a Generation starts is finished or
 aborted when ``close`` returns, and its metrics are recorded once.
@@ -33,6 +35,8 @@ class Choice:
     queued: bool = True
     done: bool = False
     recorded: bool = False
+    pending: list = field(default_factory=list)  # TokenLogprobs not yet sent with an event
+    text_offset: int = 0  # completions logprobs: characters of token strings sent so far
 
     @property
     def completion_tokens(self) -> int:
@@ -54,14 +58,24 @@ class Generation:
         self._tasks = [asyncio.create_task(self._drive(c)) for c in self.choices]
         self.server.queued += len(self.choices)
 
+    @property
+    def engine_ids(self) -> list[str]:
+        """The engine request id of each choice."""
+        return [self._engine_id(c) for c in self.choices]
+
+    def _engine_id(self, c: Choice) -> str:
+        return f"{self.request_id}-{c.index}"
+
     # -- per choice -------------------------------------------------------------
     async def _drive(self, c: Choice) -> None:
-        agen = self.server.engine.outputs(c.prompt_ids, c.params, f"{self.request_id}-{c.index}")
+        agen = self.server.engine.outputs(c.prompt_ids, c.params, self._engine_id(c))
         try:
             async for out in agen:
                 if c.queued:
                     self._dequeue(c)
                 c.output = out
+                if out.new_logprobs:
+                    c.pending.extend(out.new_logprobs)
                 if out.new_ids and c.first_token is None:
                     c.first_token = time.perf_counter()
                 delta = c.text.add(out.new_ids)
@@ -76,9 +90,9 @@ class Generation:
         except (ValueError, RequestError) as e:  # invalid for the engine, or failed mid-way: this choice alone
             status = 400 if isinstance(e, ValueError) else 500
             self._events.put_nowait((c, APIError(status, str(e), type="invalid_request_error" if status == 400
-                                                 else "server_error"), None))
+                                                 else "server_error"), None, None))
         except RuntimeError as e:  # the engine thread died
-            self._events.put_nowait((c, APIError(500, str(e), type="server_error"), None))
+            self._events.put_nowait((c, APIError(500, str(e), type="server_error"), None, None))
         finally:
             if c.queued:
                 self._dequeue(c)
@@ -92,7 +106,8 @@ class Generation:
     def _put(self, c: Choice, delta: str, finish: str | None) -> None:
         if finish is not None:
             c.finish_reason, c.done = finish, True
-        self._events.put_nowait((c, delta, finish))
+        logprobs, c.pending = c.pending, []
+        self._events.put_nowait((c, delta, finish, logprobs))
 
     def _record(self, c: Choice) -> None:
         if c.recorded or self.server.metrics is None:
@@ -103,22 +118,23 @@ class Generation:
 
     # -- the request ------------------------------------------------------------
     async def events(self):
-        """Yield ``(choice, delta, finish_reason)`` until every choice is finished; raises the
+        """Yield ``(choice, delta, finish_reason, logprobs)`` until every choice is finished; raises the
         first choice's :class:`APIError`, or a 408 one when ``timeout`` runs out."""
         deadline = None if self.timeout is None else self.received + self.timeout
         left = len(self.choices)
         while left:
             if deadline is None:
-                c, delta, finish = await self._events.get()
+                c, delta, finish, logprobs = await self._events.get()
             else:
                 try:
-                    c, delta, finish = await asyncio.wait_for(self._events.get(), deadline - time.perf_counter())
+                    c, delta, finish, logprobs = await asyncio.wait_for(self._events.get(),
+                                                                        deadline - time.perf_counter())
                 except asyncio.TimeoutError:
                     raise APIError(408, f"the request ran past its timeout of {self.timeout:g} s and was aborted",
                                    param="timeout", type="timeout_error", code="timeout") from None
             if isinstance(delta, APIError):
                 raise delta
-            yield c, delta, finish
+            yield c, delta, finish, logprobs
             if finish is not None:
                 left -= 1
 

@@ -13,7 +13,10 @@ units in the name, ``_total`` counters), all under ``devin_``:
 - ``devin_queue_requests`` (submitted, no token yet), ``devin_running_sequences``,
   ``devin_kv_blocks_used``, ``devin_kv_blocks_total``;
 - ``devin_prefix_cache_hit_tokens_total``, ``devin_preemptions_total``,
-  ``devin_kv_prune_evicted_tokens_total``.
+  ``devin_kv_prune_evicted_tokens_total``;
+- ``devin_spec_draft_tokens_total``, ``devin_spec_accepted_tokens_total``: speculative proposals
+  verified and accepted (the engine's running totals, 0 without speculation; their ratio is the
+  acceptance rate).
 
 Each server has its own registry (several in one process do not collide).
 """
@@ -45,6 +48,11 @@ class _EngineCollector:
                                   value=hits)
         yield CounterMetricFamily("devin_preemptions", "Sequences preempted for KV space",
                                   value=e.metrics.preemptions)
+        totals = e.spec.totals if e.spec is not None else None
+        yield CounterMetricFamily("devin_spec_draft_tokens", "Speculative proposals verified",
+                                  value=totals.drafted if totals is not None else 0)
+        yield CounterMetricFamily("devin_spec_accepted_tokens", "Speculative proposals accepted",
+                                  value=totals.accepted if totals is not None else 0)
         if e.kv_tiers is not None:
             yield from _tier_metrics(e.kv_tiers.stats())
 

@@ -4,10 +4,12 @@ Every field is checked by name and type before anything is queued; a bad one is 
 :class:`APIError` (400 unless said otherwise) whose ``param`` names it, e.g.
 ``{"error": {"message": "max_tokens must be an integer >= 1, got -3", "type":
 "invalid_request_error", "param": "max_tokens", "code": null}}``. Options the engine
-cannot honour (``logprobs``, ``echo``, penalties, ``logit_bias``, ``best_of`` > n,
-``suffix``) are refused as not supported rather than ignored. devin-compile's own options
-ride in the body as extra fields, as vLLM does: ``kv_prune`` (false or a KVPruneConfig
-dict), ``ignore_eos``, ``top_k`` and ``timeout`` (seconds for this request).
+cannot honour (``echo``, penalties, ``logit_bias``, ``best_of`` > n, ``suffix``) are refused
+as not supported rather than ignored. Logprobs: completions ``logprobs: k`` (0..20), chat
+``logprobs: true`` with ``top_logprobs: k``. devin-compile's own options ride in the body as
+extra fields, as vLLM does: ``kv_prune`` (false or a KVPruneConfig dict), ``speculative``
+(false, true or ``{"num_tokens", "acceptance_threshold", "adaptive"}``), ``ignore_eos``,
+``top_k`` and ``timeout`` (seconds for this request).
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..config import SpeculativeRequest
+from ..runtime.logprobs import MAX_LOGPROBS
 
 MAX_N = 16
 MAX_STOP = 16
@@ -101,6 +106,8 @@ class GenerationRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     kv_prune: Any = None
+    speculative: Any = None  # None | bool | SpeculativeRequest
+    logprobs: int | None = None  # top alternatives per token (None: no logprobs)
     timeout: float | None = None
 
     def sampling_kwargs(self, choice: int) -> dict:
@@ -108,13 +115,12 @@ class GenerationRequest:
         sample = self.temperature > 0
         return dict(do_sample=sample, temperature=self.temperature if sample else 1.0, top_p=self.top_p,
                     top_k=self.top_k, seed=None if self.seed is None else self.seed + choice,
-                    ignore_eos=self.ignore_eos, kv_prune=self.kv_prune)
+                    ignore_eos=self.ignore_eos, kv_prune=self.kv_prune, speculative=self.speculative,
+                    logprobs=self.logprobs)
 
 
 def _unsupported(body: dict, chat: bool) -> None:
     checks = [
-        ("logprobs", lambda v: v not in (None, False, 0) if chat else v is not None),
-        ("top_logprobs", lambda v: v not in (None, 0)),
         ("echo", lambda v: v not in (None, False)),
         ("suffix", lambda v: v not in (None, "")),
         ("presence_penalty", lambda v: v not in (None, 0, 0.0)),
@@ -123,7 +129,6 @@ def _unsupported(body: dict, chat: bool) -> None:
         ("logit_bias", lambda v: v not in (None, {})),
         ("tools", lambda v: v not in (None, [])),
         ("response_format", lambda v: v not in (None, {"type": "text"})),
-        ("speculative", lambda v: v is not None),
     ]
     for name, refused in checks:
         if name in body and refused(body[name]):
@@ -166,6 +171,29 @@ def _stop(body: dict) -> list[str]:
     return s
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Completions ``logprobs: k``; chat ``logprobs: true`` (+ ``top_logprobs: k``) → k, or None."""
+    if not chat:
+        return _opt_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    on = _opt_bool(body, "logprobs", False)
+    top = _opt_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not on:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    return (top or 0) if on else None
+
+
+def _speculative(body: dict):
+    """The ``speculative`` extra field: None, false, true or an object of SpeculativeRequest fields."""
+    v = body.get("speculative")
+    if v is not None and not isinstance(v, (bool, dict)):
+        raise bad("speculative", "speculative must be false, true or an object like {\"num_tokens\": 4, "
+                                 f"\"acceptance_threshold\": 0.3}}, got {v!r}")
+    try:
+        return SpeculativeRequest.coerce(v)
+    except (ValueError, TypeError) as e:
+        raise bad("speculative", f"speculative: {e}") from None
+
+
 def parse_request(body: dict, chat: bool) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -201,7 +229,7 @@ def parse_request(body: dict, chat: bool) -> GenerationRequest:
         temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0), top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, True),
         top_k=_opt_int(body, "top_k", 0, -1), seed=seed, stop=_stop(body), n=_opt_int(body, "n", 1, 1, MAX_N),
         stream=stream, include_usage=bool(so and so.get("include_usage")),
-        ignore_eos=_opt_bool(body, "ignore_eos", False), kv_prune=kv_prune,
-        timeout=None if timeout is None else float(timeout))
+        ignore_eos=_opt_bool(body, "ignore_eos", False), kv_prune=kv_prune, speculative=_speculative(body),
+        logprobs=_logprobs(body, chat), timeout=None if timeout is None else float(timeout))
     req.top_k = max(req.top_k, 0)  # vLLM's -1 (off) is 0 here
     return req
