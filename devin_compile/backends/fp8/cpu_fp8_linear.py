@@ -5,8 +5,9 @@ here (half of bf16's). The kernel reads the logical format of :mod:`.format` as 
 row-major, one float32 scale a row), decodes 16 codes at a time to float32 (AVX2/AVX-512: the
 code's bits placed in a float16 and widened by F16C; portable: a 256-entry table), multiplies
 them into every row of x of a tile (up to 8 rows on AVX-512, 4 on AVX2) and applies the row
-scale once per output. Float32 arithmetic: "dequantize, then an fp32 matmul" up to rounding
-order. Activations float32, bf16 or fp16; the output has x's dtype. The op's C++ kernel
+scale once per output. bf16 activations on CPUs with AVX512-BF16 and VBMI: 64 codes decoded to
+bf16 by two vpermi2b table lookups, multiplied by vdpbf16ps. Float32 sums: "dequantize, then an
+fp32 matmul" up to rounding order. Activations float32, bf16 or fp16; the output has x's dtype. The op's C++ kernel
 (:mod:`.cpu_fp8_op`) serves the per-step calls; :func:`fp8_mm` is the Python path.
 """
 from __future__ import annotations

@@ -10,16 +10,18 @@
  *   out    [m, out_stride] in x's dtype (first n columns written)
  *
  * Decoding e4m3 -> float: the portable path reads a 256-entry table. The vector paths place the
- * code's exponent and mantissa bits into a float16 (sign to bit 15, the 7 other bits shifted
- * left by 7): that float16 is exactly the e4m3 value / 256, subnormals included (both formats
- * have 3-bit mantissas, and the float16's exponent bias is 8 larger), and F16C's vcvtph2ps
- * widens 8 or 16 of them a instruction. The factor 256 is applied once per output, with the
- * row scale. Float32 arithmetic throughout: the result is "dequantize, then an fp32 matmul"
- * up to rounding order.
+ * code's exponent and mantissa bits into a float16 (sign-extend the byte to 16 bits, shift left
+ * by 7, clear bit 14): that float16 is exactly the e4m3 value / 256, subnormals included (both
+ * formats have 3-bit mantissas, and the float16's exponent bias is 8 larger), and F16C's
+ * vcvtph2ps widens 8 or 16 of them a instruction; float32 FMAs follow. The factor 256 is applied
+ * once per output, with the row scale. bf16 activations on CPUs with AVX512-BF16 and VBMI take a
+ * third path (pair_bf16 below): vpermi2b table lookups decode 64 codes to bf16 at once (every e4m3
+ * value is a bf16 value) and vdpbf16ps multiplies pairs. Float32 sums throughout: the result is
+ * "dequantize, then an fp32 matmul" up to rounding order.
  *
- * Work split: threads take pairs of weight rows; each 16-column chunk of a pair is decoded once
- * and multiplied into every row of x of a tile (AVX-512: tiles of 8, 4, 2, 1 rows of x; AVX2:
- * 4, 2, 1), so at 1..16 rows the weight bytes are read once per tile and decoded once per tile.
+ * Work split: threads take pairs of weight rows; each decoded chunk of a pair is multiplied into
+ * every row of x of a tile (AVX-512: tiles of 8, 4, 2, 1 rows of x; AVX2: 4, 2, 1), so at 1..16
+ * rows the weight bytes are read and decoded once per tile.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,9 +45,16 @@ static float e4m3_value(int c) {
     return (c & 0x80) ? -v : v;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512F__)
+static void init_bf16_tables(void);
+#endif
+
 static void init_lut(void) {
     if (lut_ready) return;
     for (int c = 0; c < 256; c++) LUT[c] = e4m3_value(c);
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512F__)
+    init_bf16_tables();
+#endif
     __atomic_store_n(&lut_ready, 1, __ATOMIC_RELEASE);
 }
 
@@ -96,6 +105,62 @@ static inline __attribute__((always_inline)) void pair_avx512(const uint8_t *res
 }
 #define PAIR_TILES 8, 4, 2, 1
 #define PAIR_KERNEL pair_avx512
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define HAVE_BF16_DOT 1
+/* bf16 activations on AVX512-BF16 + VBMI: every e4m3 value is a bf16 value, so two 128-entry byte
+ * tables (the bf16's high and low bytes of each magnitude) looked up with vpermi2b decode 64 codes
+ * into 64 bf16 in five instructions (two lookups, the sign OR-ed into the high bytes, two byte
+ * interleaves), and vdpbf16ps multiplies 32 bf16 pairs a instruction (products exact, sums in
+ * float32). The interleaves put elements {0-7, 16-23, 32-39, 48-55} of a 64-column block in the
+ * first vector and {8-15, 24-31, ...} in the second: x is laid out in that order once per call. */
+static uint8_t BF16_HI[128], BF16_LO[128];
+
+static void init_bf16_tables(void) {
+    for (int c = 0; c < 128; c++) {
+        uint32_t u;
+        memcpy(&u, &LUT[c], 4);
+        BF16_HI[c] = (uint8_t)(u >> 24);
+        BF16_LO[c] = (uint8_t)(u >> 16);
+    }
+}
+
+/* Column order of one 64-column block as the decoder produces it (element i of the block's 64 bf16). */
+static inline int block_column(int i) { return i < 32 ? (i / 8) * 16 + i % 8 : ((i - 32) / 8) * 16 + 8 + (i - 32) % 8; }
+
+static inline __attribute__((always_inline)) void pair_bf16(const uint8_t *restrict w0, const uint8_t *restrict w1,
+                                                            int k64, const uint16_t *restrict xb, int64_t xs,
+                                                            const int R, float *restrict res, int64_t res_stride) {
+    const __m512i th0 = _mm512_loadu_si512(BF16_HI), th1 = _mm512_loadu_si512(BF16_HI + 64);
+    const __m512i tl0 = _mm512_loadu_si512(BF16_LO), tl1 = _mm512_loadu_si512(BF16_LO + 64);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    __m512 a0[8], a1[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int c = 0; c < k64; c += 64) {
+        __m512bh v[2][2];
+        for (int j = 0; j < 2; j++) {
+            const __m512i codes = _mm512_loadu_si512((j ? w1 : w0) + c);
+            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, codes, th1), codes, sign, 0xF8);
+            const __m512i lo = _mm512_permutex2var_epi8(tl0, codes, tl1);
+            v[j][0] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+            v[j][1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xb + r * xs + c);
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xb + r * xs + c + 32);
+            a0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a0[r], v[0][0], x0), v[0][1], x1);
+            a1[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a1[r], v[1][0], x0), v[1][1], x1);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        res[r * res_stride] = _mm512_reduce_add_ps(a0[r]) * (1.0f / 256.0f);  /* as the other paths: value / 256 */
+        res[r * res_stride + 1] = _mm512_reduce_add_ps(a1[r]) * (1.0f / 256.0f);
+    }
+}
+#endif
 #elif defined(HAVE_F16C_DECODE)
 static inline __attribute__((always_inline)) void pair_avx2(const uint8_t *restrict w0, const uint8_t *restrict w1,
                                                             int k16, const float *restrict xf, int64_t xs,
@@ -125,22 +190,36 @@ static inline __attribute__((always_inline)) void pair_avx2(const uint8_t *restr
 #endif
 
 #ifdef PAIR_KERNEL
-/* Weight rows w0, w1 against all m rows of x, in tiles; then the scalar tail past k16, scaled. */
-static void pair_rows(const uint8_t *w0, const uint8_t *w1, int k, const float *xf, int m, float *res, int64_t rs) {
-    const int k16 = k & ~15;
+/* Weight rows w0, w1 against all m rows of x, in tiles; then the scalar tail past the vector
+ * columns. xb: x's raw bf16 rows for the AVX512-BF16 path, else NULL. */
+static void pair_rows(const uint8_t *w0, const uint8_t *w1, int k, const float *xf, const uint16_t *xb, int m,
+                      float *res, int64_t rs) {
+    const int kv = xb ? k & ~63 : k & ~15;
     static const int tiles[] = {PAIR_TILES};
     int r = 0;
     for (size_t t = 0; t < sizeof(tiles) / sizeof(tiles[0]); t++) {
         const int R = tiles[t];
         for (; r + R <= m; r += R) {
+#ifdef HAVE_BF16_DOT
+            if (xb) {
+                switch (R) {
+                    case 8: pair_bf16(w0, w1, kv, xb + (int64_t)r * k, k, 8, res + r * rs, rs); break;
+                    case 4: pair_bf16(w0, w1, kv, xb + (int64_t)r * k, k, 4, res + r * rs, rs); break;
+                    case 2: pair_bf16(w0, w1, kv, xb + (int64_t)r * k, k, 2, res + r * rs, rs); break;
+                    default: pair_bf16(w0, w1, kv, xb + (int64_t)r * k, k, 1, res + r * rs, rs); break;
+                }
+                continue;
+            }
+#endif
             switch (R) {  /* constant R per call: the accumulators stay in registers */
-                case 8: PAIR_KERNEL(w0, w1, k16, xf + (int64_t)r * k, k, 8, res + r * rs, rs); break;
-                case 4: PAIR_KERNEL(w0, w1, k16, xf + (int64_t)r * k, k, 4, res + r * rs, rs); break;
-                case 2: PAIR_KERNEL(w0, w1, k16, xf + (int64_t)r * k, k, 2, res + r * rs, rs); break;
-                default: PAIR_KERNEL(w0, w1, k16, xf + (int64_t)r * k, k, 1, res + r * rs, rs); break;
+                case 8: PAIR_KERNEL(w0, w1, kv, xf + (int64_t)r * k, k, 8, res + r * rs, rs); break;
+                case 4: PAIR_KERNEL(w0, w1, kv, xf + (int64_t)r * k, k, 4, res + r * rs, rs); break;
+                case 2: PAIR_KERNEL(w0, w1, kv, xf + (int64_t)r * k, k, 2, res + r * rs, rs); break;
+                default: PAIR_KERNEL(w0, w1, kv, xf + (int64_t)r * k, k, 1, res + r * rs, rs); break;
             }
         }
     }
+    const int k16 = kv;
     for (int i = 0; i < m; i++) {
         float s0 = 0.0f, s1 = 0.0f;
         for (int c = k16; c < k; c++) {
@@ -156,6 +235,7 @@ static void pair_rows(const uint8_t *w0, const uint8_t *w1, int k, const float *
 
 static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *q, const float *scale,
                       int n, void *out, int64_t out_stride, int num_threads, int scalar) {
+    (void)scalar;
     if (m < 0 || n < 0 || k < 0) return -1;
     if (m == 0 || n == 0) return 0;
     init_lut();
@@ -170,6 +250,24 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
     if (!xf) return -2;
     float *res = xf + (size_t)m * k;
     for (int r = 0; r < m; r++) load_row(x, r * x_stride, dtype, k, xf + (int64_t)r * k);
+    uint16_t *xb = NULL; /* bf16 activations on AVX512-BF16: their raw rows, contiguous */
+#ifdef HAVE_BF16_DOT
+    if (simd && dtype == DT_BF16 && k >= 64) {
+        xb = malloc((size_t)m * k * sizeof(uint16_t) + 64);
+        if (!xb) {
+            free(xf);
+            return -2;
+        }
+        const int k64 = k & ~63;
+        for (int r = 0; r < m; r++) {
+            const uint16_t *src = (const uint16_t *)x + r * x_stride;
+            uint16_t *dst = xb + (int64_t)r * k;
+            for (int c = 0; c < k64; c += 64)
+                for (int i = 0; i < 64; i++) dst[c + i] = src[c + block_column(i)];
+            memcpy(dst + k64, src + k64, (size_t)(k - k64) * 2);
+        }
+    }
+#endif
     const int pairs = (n + 1) / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && pairs > 1)
     for (int p = 0; p < pairs; p++) {
@@ -177,7 +275,7 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
         const uint8_t *w0 = q + (int64_t)r0 * k, *w1 = q + (int64_t)r1 * k;
         if (simd) {
 #ifdef PAIR_KERNEL
-            pair_rows(w0, w1, k, xf, m, res + r0, rs);
+            pair_rows(w0, w1, k, xf, xb, m, res + r0, rs);
             for (int i = 0; i < m; i++) {
                 res[i * rs + r0] *= 256.0f * scale[r0];
                 res[i * rs + r0 + 1] *= 256.0f * scale[r1];
@@ -193,6 +291,7 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
         }
     }
     for (int r = 0; r < m; r++) store_row(out, r * out_stride, dtype, n, res + r * rs);
+    free(xb);
     free(xf);
     return 0;
 }
