@@ -155,8 +155,8 @@ class TorchOpKernel:
 
 # Builds of a source with instruction sets turned off, so that one machine tests the code paths of
 # smaller ones (each runs where the native build does: the flags only take features away).
-VARIANTS = {"native": (), "avx512_no_vnni": ("-mno-avx512vnni",), "avx2": ("-mno-avx512f",),
-            "portable": ("-mno-avx2",)}
+VARIANTS = {"native": (), "avx512_no_vnni": ("-mno-avx512vnni",), "avx512_no_bf16": ("-mno-avx512bf16",),
+            "avx512_no_vbmi": ("-mno-avx512vbmi",), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
 
 
 class CKernel:

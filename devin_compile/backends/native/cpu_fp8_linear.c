@@ -45,14 +45,14 @@ static float e4m3_value(int c) {
     return (c & 0x80) ? -v : v;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512F__)
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 static void init_bf16_tables(void);
 #endif
 
 static void init_lut(void) {
     if (lut_ready) return;
     for (int c = 0; c < 256; c++) LUT[c] = e4m3_value(c);
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512F__)
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     init_bf16_tables();
 #endif
     __atomic_store_n(&lut_ready, 1, __ATOMIC_RELEASE);
@@ -69,6 +69,16 @@ static void row_scalar(const uint8_t *restrict w, int k, const float *restrict x
 }
 
 #ifdef HAVE_F16C_DECODE
+/* Weight rows stream from memory at decode and each 64 bytes of them take a while to decode, so
+ * the hardware prefetcher alone leaves the loads exposed: fetch the same columns PF_PAIRS row
+ * pairs ahead (past the last row the hint is dropped, never faulting). */
+#define PF_PAIRS 4
+/* k: the row length in bytes (the pair kernels' x stride) */
+static inline void prefetch_ahead(const uint8_t *w0, const uint8_t *w1, int64_t k) {
+    _mm_prefetch((const char *)(w0 + 2 * PF_PAIRS * k), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w1 + 2 * PF_PAIRS * k), _MM_HINT_T0);
+}
+
 /* 16 e4m3 codes, sign-extended to 16-bit lanes (0xFF00 | c for a negative code) -> the float16
  * bit patterns of value / 256: shifting left by 7 puts the 7 low bits at 7..13 and the sign in
  * bits 14 and 15; clearing bit 14 leaves sign | exponent | mantissa. */
@@ -89,6 +99,7 @@ static inline __attribute__((always_inline)) void pair_avx512(const uint8_t *res
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
     for (int c = 0; c < k16; c += 16) {
+        if ((c & 63) == 0) prefetch_ahead(w0 + c, w1 + c, xs);
         const __m512 v0 = _mm512_cvtph_ps(to_half_bits(_mm_loadu_si128((const __m128i *)(w0 + c))));
         const __m512 v1 = _mm512_cvtph_ps(to_half_bits(_mm_loadu_si128((const __m128i *)(w1 + c))));
 #pragma GCC unroll 8
@@ -106,14 +117,16 @@ static inline __attribute__((always_inline)) void pair_avx512(const uint8_t *res
 #define PAIR_TILES 8, 4, 2, 1
 #define PAIR_KERNEL pair_avx512
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-#define HAVE_BF16_DOT 1
-/* bf16 activations on AVX512-BF16 + VBMI: every e4m3 value is a bf16 value, so two 128-entry byte
- * tables (the bf16's high and low bytes of each magnitude) looked up with vpermi2b decode 64 codes
- * into 64 bf16 in five instructions (two lookups, the sign OR-ed into the high bytes, two byte
- * interleaves), and vdpbf16ps multiplies 32 bf16 pairs a instruction (products exact, sums in
- * float32). The interleaves put elements {0-7, 16-23, 32-39, 48-55} of a 64-column block in the
- * first vector and {8-15, 24-31, ...} in the second: x is laid out in that order once per call. */
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define HAVE_VBMI_DECODE 1
+/* On CPUs with AVX512-VBMI: every e4m3 value is a bf16 value, so two 128-entry byte tables (the
+ * bf16's high and low bytes of each magnitude) looked up with vpermi2b decode 64 codes into 64
+ * bf16 in five instructions (two lookups, the sign OR-ed into the high bytes, two byte
+ * interleaves). bf16 activations with AVX512-BF16 multiply those with vdpbf16ps (32 pairs a
+ * instruction, products exact, sums in float32); others widen them to float32 by two more word
+ * interleaves with zeros and use FMAs. The interleaves permute the columns of each 64-column
+ * block (bf16: elements {0-7, 16-23, 32-39, 48-55} then {8-15, ...}; float32: four vectors of
+ * 16 in the order of vbmi_column): x is laid out in that order once per call. */
 static uint8_t BF16_HI[128], BF16_LO[128];
 
 static void init_bf16_tables(void) {
@@ -125,33 +138,60 @@ static void init_bf16_tables(void) {
     }
 }
 
-/* Column order of one 64-column block as the decoder produces it (element i of the block's 64 bf16). */
-static inline int block_column(int i) { return i < 32 ? (i / 8) * 16 + i % 8 : ((i - 32) / 8) * 16 + 8 + (i - 32) % 8; }
+/* Column (within its 64-column block) of element i of the decoded block: bf16 or float32 order. */
+static inline int vbmi_column(int i, int bf16) {
+    if (bf16) return i < 32 ? (i / 8) * 16 + i % 8 : ((i - 32) / 8) * 16 + 8 + (i - 32) % 8;
+    return 16 * ((i % 16) / 4) + 4 * (i / 16) + i % 4;
+}
 
-static inline __attribute__((always_inline)) void pair_bf16(const uint8_t *restrict w0, const uint8_t *restrict w1,
-                                                            int k64, const uint16_t *restrict xb, int64_t xs,
-                                                            const int R, float *restrict res, int64_t res_stride) {
-    const __m512i th0 = _mm512_loadu_si512(BF16_HI), th1 = _mm512_loadu_si512(BF16_HI + 64);
-    const __m512i tl0 = _mm512_loadu_si512(BF16_LO), tl1 = _mm512_loadu_si512(BF16_LO + 64);
-    const __m512i sign = _mm512_set1_epi8((char)0x80);
+typedef struct {
+    __m512i th0, th1, tl0, tl1, sign;
+} vbmi_tables;
+
+static inline vbmi_tables load_tables(void) {
+    vbmi_tables t = {_mm512_loadu_si512(BF16_HI), _mm512_loadu_si512(BF16_HI + 64), _mm512_loadu_si512(BF16_LO),
+                     _mm512_loadu_si512(BF16_LO + 64), _mm512_set1_epi8((char)0x80)};
+    return t;
+}
+
+/* 64 codes -> bf16 words, in two vectors (see the order above). */
+static inline __attribute__((always_inline)) void decode64(const uint8_t *w, const vbmi_tables *t, __m512i *b0,
+                                                           __m512i *b1) {
+    const __m512i codes = _mm512_loadu_si512(w);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->th0, codes, t->th1), codes, t->sign, 0xF8);
+    const __m512i lo = _mm512_permutex2var_epi8(t->tl0, codes, t->tl1);
+    *b0 = _mm512_unpacklo_epi8(lo, hi);
+    *b1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* Float32 activations (permuted, xs apart): two weight rows x R rows of x over k64 columns. */
+static inline __attribute__((always_inline)) void pair_vbmi_f32(const uint8_t *restrict w0, const uint8_t *restrict w1,
+                                                                int k64, const float *restrict xp, int64_t xs,
+                                                                const int R, float *restrict res, int64_t res_stride) {
+    const vbmi_tables t = load_tables();
+    const __m512i zero = _mm512_setzero_si512();
     __m512 a0[8], a1[8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
     for (int c = 0; c < k64; c += 64) {
-        __m512bh v[2][2];
+        prefetch_ahead(w0 + c, w1 + c, xs);
+        __m512 v[2][4];
         for (int j = 0; j < 2; j++) {
-            const __m512i codes = _mm512_loadu_si512((j ? w1 : w0) + c);
-            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, codes, th1), codes, sign, 0xF8);
-            const __m512i lo = _mm512_permutex2var_epi8(tl0, codes, tl1);
-            v[j][0] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-            v[j][1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+            __m512i b0, b1;
+            decode64((j ? w1 : w0) + c, &t, &b0, &b1);
+            v[j][0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, b0));
+            v[j][1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, b0));
+            v[j][2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, b1));
+            v[j][3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, b1));
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xb + r * xs + c);
-            const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xb + r * xs + c + 32);
-            a0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a0[r], v[0][0], x0), v[0][1], x1);
-            a1[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a1[r], v[1][0], x0), v[1][1], x1);
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) {
+                const __m512 xv = _mm512_loadu_ps(xp + r * xs + c + 16 * q);
+                a0[r] = _mm512_fmadd_ps(v[0][q], xv, a0[r]);
+                a1[r] = _mm512_fmadd_ps(v[1][q], xv, a1[r]);
+            }
         }
     }
 #pragma GCC unroll 8
@@ -160,6 +200,35 @@ static inline __attribute__((always_inline)) void pair_bf16(const uint8_t *restr
         res[r * res_stride + 1] = _mm512_reduce_add_ps(a1[r]) * (1.0f / 256.0f);
     }
 }
+
+#ifdef __AVX512BF16__
+#define HAVE_BF16_DOT 1
+static inline __attribute__((always_inline)) void pair_bf16(const uint8_t *restrict w0, const uint8_t *restrict w1,
+                                                            int k64, const uint16_t *restrict xb, int64_t xs,
+                                                            const int R, float *restrict res, int64_t res_stride) {
+    const vbmi_tables t = load_tables();
+    __m512 a0[8], a1[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int c = 0; c < k64; c += 64) {
+        prefetch_ahead(w0 + c, w1 + c, xs);
+        __m512i v[2][2];
+        for (int j = 0; j < 2; j++) decode64((j ? w1 : w0) + c, &t, &v[j][0], &v[j][1]);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xb + r * xs + c);
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xb + r * xs + c + 32);
+            a0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a0[r], (__m512bh)v[0][0], x0), (__m512bh)v[0][1], x1);
+            a1[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a1[r], (__m512bh)v[1][0], x0), (__m512bh)v[1][1], x1);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        res[r * res_stride] = _mm512_reduce_add_ps(a0[r]) * (1.0f / 256.0f);
+        res[r * res_stride + 1] = _mm512_reduce_add_ps(a1[r]) * (1.0f / 256.0f);
+    }
+}
+#endif
 #endif
 #elif defined(HAVE_F16C_DECODE)
 static inline __attribute__((always_inline)) void pair_avx2(const uint8_t *restrict w0, const uint8_t *restrict w1,
@@ -169,6 +238,7 @@ static inline __attribute__((always_inline)) void pair_avx2(const uint8_t *restr
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
     for (int c = 0; c < k16; c += 16) {
+        if ((c & 63) == 0) prefetch_ahead(w0 + c, w1 + c, xs);
         const __m256i h0 = to_half_bits(_mm_loadu_si128((const __m128i *)(w0 + c)));
         const __m256i h1 = to_half_bits(_mm_loadu_si128((const __m128i *)(w1 + c)));
         const __m256 v0l = _mm256_cvtph_ps(_mm256_castsi256_si128(h0)), v0h = _mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1));
@@ -191,22 +261,36 @@ static inline __attribute__((always_inline)) void pair_avx2(const uint8_t *restr
 
 #ifdef PAIR_KERNEL
 /* Weight rows w0, w1 against all m rows of x, in tiles; then the scalar tail past the vector
- * columns. xb: x's raw bf16 rows for the AVX512-BF16 path, else NULL. */
-static void pair_rows(const uint8_t *w0, const uint8_t *w1, int k, const float *xf, const uint16_t *xb, int m,
+ * columns. xv: x laid out for the VBMI paths (bf16 rows if bf16, else permuted float rows), or NULL. */
+static void pair_rows(const uint8_t *w0, const uint8_t *w1, int k, const float *xf, const void *xv, int bf16, int m,
                       float *res, int64_t rs) {
-    const int kv = xb ? k & ~63 : k & ~15;
+    const int kv = xv ? k & ~63 : k & ~15;
     static const int tiles[] = {PAIR_TILES};
     int r = 0;
+    (void)bf16;
     for (size_t t = 0; t < sizeof(tiles) / sizeof(tiles[0]); t++) {
         const int R = tiles[t];
         for (; r + R <= m; r += R) {
 #ifdef HAVE_BF16_DOT
-            if (xb) {
+            if (xv && bf16) {
+                const uint16_t *xb = (const uint16_t *)xv + (int64_t)r * k;
                 switch (R) {
-                    case 8: pair_bf16(w0, w1, kv, xb + (int64_t)r * k, k, 8, res + r * rs, rs); break;
-                    case 4: pair_bf16(w0, w1, kv, xb + (int64_t)r * k, k, 4, res + r * rs, rs); break;
-                    case 2: pair_bf16(w0, w1, kv, xb + (int64_t)r * k, k, 2, res + r * rs, rs); break;
-                    default: pair_bf16(w0, w1, kv, xb + (int64_t)r * k, k, 1, res + r * rs, rs); break;
+                    case 8: pair_bf16(w0, w1, kv, xb, k, 8, res + r * rs, rs); break;
+                    case 4: pair_bf16(w0, w1, kv, xb, k, 4, res + r * rs, rs); break;
+                    case 2: pair_bf16(w0, w1, kv, xb, k, 2, res + r * rs, rs); break;
+                    default: pair_bf16(w0, w1, kv, xb, k, 1, res + r * rs, rs); break;
+                }
+                continue;
+            }
+#endif
+#ifdef HAVE_VBMI_DECODE
+            if (xv) {
+                const float *xp = (const float *)xv + (int64_t)r * k;
+                switch (R) {
+                    case 8: pair_vbmi_f32(w0, w1, kv, xp, k, 8, res + r * rs, rs); break;
+                    case 4: pair_vbmi_f32(w0, w1, kv, xp, k, 4, res + r * rs, rs); break;
+                    case 2: pair_vbmi_f32(w0, w1, kv, xp, k, 2, res + r * rs, rs); break;
+                    default: pair_vbmi_f32(w0, w1, kv, xp, k, 1, res + r * rs, rs); break;
                 }
                 continue;
             }
@@ -250,21 +334,34 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
     if (!xf) return -2;
     float *res = xf + (size_t)m * k;
     for (int r = 0; r < m; r++) load_row(x, r * x_stride, dtype, k, xf + (int64_t)r * k);
-    uint16_t *xb = NULL; /* bf16 activations on AVX512-BF16: their raw rows, contiguous */
+    /* the VBMI paths: x laid out in their column order (bf16 rows for the bf16 dot path, else float) */
+    void *xv = NULL;
+    int bf16 = 0;
+    (void)bf16;
+#ifdef HAVE_VBMI_DECODE
+    if (simd && k >= 64) {
 #ifdef HAVE_BF16_DOT
-    if (simd && dtype == DT_BF16 && k >= 64) {
-        xb = malloc((size_t)m * k * sizeof(uint16_t) + 64);
-        if (!xb) {
+        bf16 = dtype == DT_BF16;
+#endif
+        const size_t el = bf16 ? 2 : 4;
+        xv = malloc((size_t)m * k * el + 64);
+        if (!xv) {
             free(xf);
             return -2;
         }
         const int k64 = k & ~63;
         for (int r = 0; r < m; r++) {
-            const uint16_t *src = (const uint16_t *)x + r * x_stride;
-            uint16_t *dst = xb + (int64_t)r * k;
-            for (int c = 0; c < k64; c += 64)
-                for (int i = 0; i < 64; i++) dst[c + i] = src[c + block_column(i)];
-            memcpy(dst + k64, src + k64, (size_t)(k - k64) * 2);
+            if (bf16) {
+                const uint16_t *src = (const uint16_t *)x + r * x_stride;
+                uint16_t *dst = (uint16_t *)xv + (int64_t)r * k;
+                for (int c = 0; c < k64; c += 64)
+                    for (int i = 0; i < 64; i++) dst[c + i] = src[c + vbmi_column(i, 1)];
+            } else {
+                const float *src = xf + (int64_t)r * k;
+                float *dst = (float *)xv + (int64_t)r * k;
+                for (int c = 0; c < k64; c += 64)
+                    for (int i = 0; i < 64; i++) dst[c + i] = src[c + vbmi_column(i, 0)];
+            }
         }
     }
 #endif
@@ -275,7 +372,7 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
         const uint8_t *w0 = q + (int64_t)r0 * k, *w1 = q + (int64_t)r1 * k;
         if (simd) {
 #ifdef PAIR_KERNEL
-            pair_rows(w0, w1, k, xf, xb, m, res + r0, rs);
+            pair_rows(w0, w1, k, xf, xv, bf16, m, res + r0, rs);
             for (int i = 0; i < m; i++) {
                 res[i * rs + r0] *= 256.0f * scale[r0];
                 res[i * rs + r0 + 1] *= 256.0f * scale[r1];
@@ -291,7 +388,7 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
         }
     }
     for (int r = 0; r < m; r++) store_row(out, r * out_stride, dtype, n, res + r * rs);
-    free(xb);
+    free(xv);
     free(xf);
     return 0;
 }
