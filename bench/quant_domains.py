@@ -2,7 +2,7 @@
 
     python bench/quant_domains.py [--calib shipped|shakespeare ...] [--methods rtn awq gptq] [--group-size 64]
                                   [--eval-chunks 4] [--variants '{"damp": 0.1}' ...] [--out bench/results/quant-domains.json]
-    python bench/quant_domains.py --three-tier [--memory-fraction 0.5] [--eval-chunks 2]
+    python bench/quant_domains.py --three-tier --methods gptq awq [--memory-fraction 0.5] [--eval-chunks 2]
                                   [--out bench/results/quant-three-tier.json]
 
 SmolLM2-135M-Instruct (real weights, fp32). Calibration: 16 x 512 tokens of the set shipped
@@ -24,12 +24,12 @@ loss increase, against a sensitivity-blind choice of the same fp32 share (evenly
 Models are the eager simulation of the compiled model (``quant.simulate``: the same
 dequantized weights; tests/test_quant.py and tests/test_fp8.py check the two agree).
 
-``--three-tier``: GPTQ (shipped calibration) with the FP8 tier too, and at a byte budget of
+``--three-tier``: each of ``--methods`` (shipped calibration) with the FP8 tier too, and at a byte budget of
 ``--memory-fraction`` (default 0.5) of the decoder linears' bf16 bytes (0.5: one byte a weight, what
 all-INT8 would take) the least-estimated-loss mix of INT4 + FP8 + bf16 against the least-loss mix
 of INT4 + bf16 in the same bytes (both ``quant.choose_tiers``, the knapsack ``assign_precision``
-runs), with all-INT4 and all-FP8 (just over the budget: its row scales) for reference; bytes are
-counted as a bf16 model stores them, the simulation runs in fp32.
+runs), with all-INT4, all-FP8 (just over the budget: its row scales) and the knapsack's choice at
+all-FP8's bytes for reference; bytes are counted as a bf16 model stores them, the simulation runs in fp32.
 """
 from __future__ import annotations
 
@@ -114,10 +114,10 @@ def tier_sets(result, choice: list[str], groups: list[list[str]]) -> tuple[set[s
             {n for g, t in zip(groups, choice) if t == "fp8" for n in g})
 
 
-def three_tier(args, model, stats, evaluate, out: dict) -> None:
+def three_tier(args, model, stats, evaluate, out: dict, method: str) -> None:
     """The three-tier mix against the best two-tier mix at the same bytes (see the module docstring)."""
     t0 = time.perf_counter()
-    res = quant.quantize(model, stats, progress=False, method="gptq", group_size=args.group_size, tiers="int4,fp8")
+    res = quant.quantize(model, stats, progress=False, method=method, group_size=args.group_size, tiers="int4,fp8")
     secs = time.perf_counter() - t0
     groups = res.groups or [[n] for n in res.linears]
     s4, kind = sensitivity(res, groups)
@@ -128,27 +128,32 @@ def three_tier(args, model, stats, evaluate, out: dict) -> None:
         gs = res.linears[g[0]].group_size
         cands.append(Candidate(None, g, n, k, gs, a, n * k * 2, int4_bytes(n, k, gs, 2), b, fp8_bytes(n, k)))
     bf16 = sum(c.fp_bytes for c in cands)
+    all_fp8 = sum(c.fp8_bytes for c in cands)
     target = {"kind": "memory_fraction", "value": args.memory_fraction}
     mixes = {"three-tier INT4+FP8+bf16": choose_tiers(cands, target, ("int4", "fp8")),
              "two-tier INT4+bf16": choose_tiers(cands, target, ("int4",)),
-             "all INT4": ["int4"] * len(cands), "all FP8": ["fp8"] * len(cands)}
-    out["three_tier"] = {"method": f"gptq g{args.group_size}", "quantize_seconds": secs, "sensitivity_kind": kind,
-                         "bf16_decoder_linear_bytes": bf16, "budget_bytes": int(args.memory_fraction * bf16),
-                         "memory_fraction": args.memory_fraction}
+             "all INT4": ["int4"] * len(cands), "all FP8": ["fp8"] * len(cands),
+             "three-tier at all-FP8's bytes": choose_tiers(cands, {"kind": "memory_bytes", "value": all_fp8},
+                                                            ("int4", "fp8"))}
+    info = {"method": f"{method} g{args.group_size}", "quantize_seconds": secs, "sensitivity_kind": kind,
+            "bf16_decoder_linear_bytes": bf16, "budget_bytes": int(args.memory_fraction * bf16),
+            "memory_fraction": args.memory_fraction, "rows": []}
+    out.setdefault("three_tier", {})[method] = info
     rows = []
     for label, choice in mixes.items():
         nbytes = sum({"int4": c.int4_bytes, "fp8": c.fp8_bytes, "fp": c.fp_bytes}[t] for c, t in zip(cands, choice))
         est = sum({"int4": c.sensitivity, "fp8": c.fp8_sensitivity, "fp": 0.0}[t] for c, t in zip(cands, choice))
         counts = {t: choice.count(t) for t in ("int4", "fp8", "fp")}
         int4, fp8 = tier_sets(res, choice, groups)
-        row = evaluate(f"{label} ({nbytes / bf16:.3f} of bf16)", "shipped", res, int4=int4, fp8=fp8,
+        row = evaluate(f"{method} {label} ({nbytes / bf16:.3f} of bf16)", "shipped", res, int4=int4, fp8=fp8,
                        extra={"bytes": nbytes, "fraction_of_bf16": nbytes / bf16, "estimated_loss_increase": est,
                               "linears_per_tier": counts, "choice": {"+".join(c.names): t
                                                                       for c, t in zip(cands, choice)}})
         rows.append(row)
+        info["rows"].append(row["config"])
         log(f"  {label}: {counts}, bytes {nbytes / bf16:.3f} of bf16, estimated loss +{est:.4f} nats")
     a, b = rows[:2]
-    out["three_tier"]["three_vs_two_tier_ppl_increase"] = {
+    info["three_vs_two_tier_ppl_increase"] = {
         d: {"three": a["domains"][d]["ppl_increase"], "two": b["domains"][d]["ppl_increase"]} for d in a["domains"]}
 
 
@@ -204,7 +209,8 @@ def main() -> int:
                               progress=False, data="shipped", fisher=True)
         log(f"shipped: calibration {stats.tokens} tokens in {time.perf_counter() - t0:.1f} s")
         out["command"] = " ".join(sys.argv)
-        three_tier(args, model, stats, evaluate, out)
+        for method in args.methods:
+            three_tier(args, model, stats, evaluate, out, method)
         args.calib = []
     for calib in args.calib:
         data = None if calib == "shipped" else str(SHAKESPEARE)
