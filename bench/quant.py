@@ -31,10 +31,11 @@ they stream from memory as in a real step) at 1..64 tokens, CPU int4 kernel vs o
 where the crossover that ``max_int4_tokens`` encodes lies.
 
 FP8 (``--parts fp8``): one SmolLM2-shaped linear (fused gate/up 3072x576, and down 576x1536), 30
-distinct copies (one per layer, so they stream from memory), at 1, 4, 8 and 16 rows: the FP8 C
+distinct copies (one per layer, so they stream from memory), at 1, 4, 8 and 16 rows (repeats
+interleaved, medians): the FP8 C
 kernel (``devin::fp8_linear``, e4m3 + per-row scales) vs the dense bf16 and fp32 linears this CPU
 runs (oneDNN prepacked where it has them, and plain ``F.linear``) and the INT4 C kernel (g64), for
-bf16 and fp32 activations; where ``backends/fp8/kernels.DEFAULT_MAX_FP8_TOKENS`` comes from.
+bf16 and fp32 activations; where ``backends/fp8/kernels.MAX_FP8_TOKENS`` comes from.
 """
 from __future__ import annotations
 
@@ -372,17 +373,15 @@ def fp8(args, out: dict) -> None:
                 dense["oneDNN"] = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 1) for w in ws]
             for m in (1, 4, 8, 16):
                 x = torch.randn(m, k).to(dtype)
-                row = {"dtype": str(dtype)[6:], "rows": m,
-                       "fp8_ms": _median_ms(lambda: [torch.ops.devin.fp8_linear(x, q, s, n, "cpu_c") for q, s in f8w],
-                                            args.repeats * 3),
-                       "int4_g64_ms": _median_ms(lambda: [torch.ops.devin.int4_linear(x, q, s, 64, n, "cpu_c")
-                                                          for q, s in i4w], args.repeats * 3)}
+                fns = {"fp8_ms": lambda: [torch.ops.devin.fp8_linear(x, q, s, n, "cpu_c") for q, s in f8w],
+                       "int4_g64_ms": lambda: [torch.ops.devin.int4_linear(x, q, s, 64, n, "cpu_c") for q, s in i4w]}
                 for name, wd in dense.items():
                     if name == "oneDNN":
-                        fn = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in wd]  # noqa: E731
+                        fns[f"{str(dtype)[6:]} {name}_ms"] = lambda wd=wd: [
+                            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in wd]
                     else:
-                        fn = lambda: [torch.nn.functional.linear(x, w) for w in wd]  # noqa: E731
-                    row[f"{str(dtype)[6:]} {name}_ms"] = _median_ms(fn, args.repeats * 3)
+                        fns[f"{str(dtype)[6:]} {name}_ms"] = lambda wd=wd: [torch.nn.functional.linear(x, w) for w in wd]
+                row = {"dtype": str(dtype)[6:], "rows": m, **_interleaved_ms(fns, args.repeats * 3)}
                 best = min(v for key, v in row.items() if key.startswith(str(dtype)[6:]))
                 row["fp8_speedup_vs_best_dense"] = best / row["fp8_ms"]
                 rows.append(row)
@@ -390,7 +389,21 @@ def fp8(args, out: dict) -> None:
                     f"{key[:-3]} {v:6.2f} ms" for key, v in row.items() if key.endswith("_ms"))
                     + f"  FP8 vs best dense {row['fp8_speedup_vs_best_dense']:.2f}x")
         res["shapes"][label] = rows
+    res["command"] = " ".join(sys.argv)
     out["fp8_kernel"] = res
+
+
+def _interleaved_ms(fns: dict, repeats: int) -> dict:
+    """Median ms of each callable, their repeats interleaved (one of each per round): ratios share the load."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(max(3, repeats)):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _median_ms(fn, repeats: int) -> float:

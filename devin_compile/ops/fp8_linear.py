@@ -19,6 +19,7 @@ import torch
 from ..backends.fp8 import kernels
 from ..backends.fp8.format import dequantize, fp8_bytes, quantize  # noqa: F401  (re-exported for passes)
 from .dense_copy import dense_step
+from .prepacked_linear import prepack_supported
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("fp8_linear(Tensor x, Tensor qweight, Tensor scale, int out_features, str kernel, Tensor? bias=None, "
@@ -48,9 +49,10 @@ def default_kernel(device: torch.device) -> str:
     return kernels.default_kernel(device)
 
 
-def max_fp8_tokens() -> int:
-    """Steps of more tokens than this use the dense copy (the C kernel's measured crossover)."""
-    return kernels.DEFAULT_MAX_FP8_TOKENS
+def max_fp8_tokens(dtype: torch.dtype) -> int:
+    """Steps of more tokens than this use the dense copy: the C kernel's measured crossover against
+    the dense path this CPU takes for ``dtype`` (``backends/fp8/kernels.MAX_FP8_TOKENS``)."""
+    return kernels.max_fp8_tokens(dtype, dense_native=prepack_supported(dtype))
 
 
 def prepare_operands(kernel: str, q: torch.Tensor, scale: torch.Tensor,

@@ -153,7 +153,7 @@ class AssignPrecision(Pass):
         # no native half-precision GEMM on this CPU: the dense copy runs as float32 GEMMs
         upcast_dense = device.type == "cpu" and not packed_dense and dtype in (torch.bfloat16, torch.float16)
         fp8_dense = self.qconfig.dense_prefill and fp8_kernel == "cpu_c"
-        fp8_max_tokens = fp8_op.max_fp8_tokens() if fp8_dense else -1
+        fp8_max_tokens = fp8_op.max_fp8_tokens(dtype) if fp8_dense else -1
         rows = []
         dense_bytes = 0
 
