@@ -2,8 +2,8 @@
 
 - ``"reference"``: dequantize to float32, one float32 matmul, cast to x's dtype. The oracle of
   the tests; any device.
-- ``"cpu_c"``: devin-compile's C kernel (:mod:`.cpu_fp8_linear`); the CPU default where a C
-  compiler is found.
+- ``"cpu_c"``: devin-compile's C kernel (:mod:`.cpu_fp8_linear`, rows packed in pairs); the CPU
+  default where a C compiler is found.
 - ``"scaled_mm"``: ``torch._scaled_mm`` on GPUs with FP8 tensor cores (CUDA compute capability
   >= 8.9): each row of x is rounded to e4m3 with its own absmax scale (so on this path
   activations are FP8 too: W8A8, not weight-only), the e4m3 product runs with unit tensorwise
@@ -49,13 +49,15 @@ def default_kernel(device: torch.device) -> str:
 
 
 def prepare(kernel: str, q: torch.Tensor, scale: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qweight, scale) for ``kernel`` on ``device``: the codes as uint8 [N, K] (``scaled_mm``:
-    viewed as float8_e4m3fn) and the float32 row scales [N]."""
+    """(qweight, scale) for ``kernel`` on ``device``: the codes as uint8 [N, K] (``cpu_c``: in
+    :func:`.cpu_fp8_linear.pack`'s pair layout; ``scaled_mm``: viewed as float8_e4m3fn) and the
+    float32 row scales [N]."""
     if kernel not in KERNELS:
         raise ValueError(f"fp8 kernel {kernel!r} is unknown; valid: {list(KERNELS)}")
+    qw = q.to(torch.uint8).contiguous()
     if kernel == "cpu_c":
         cpu_fp8_op.load()  # the op's C++ CPU kernel, for the per-step calls (falls back to Python)
-    qw = q.to(torch.uint8).contiguous()
+        qw = cpu_fp8_linear.pack(qw)
     if kernel == "scaled_mm":
         qw = qw.view(torch.float8_e4m3fn)
     return qw.to(device), scale.float().contiguous().to(device)
