@@ -102,31 +102,44 @@ static inline __m256i to_half_bits(__m128i codes) {
 #endif
 
 #if defined(HAVE_AVX512) && defined(HAVE_F16C_DECODE)
+/* Row r of x's NA accumulators of each weight row, summed, reduced and multiplied by f. */
+static inline __attribute__((always_inline)) void finish_pair(const __m512 *a0, const __m512 *a1, const int R,
+                                                              const int NA, float f, float *restrict res, int64_t rs) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        __m512 s0 = a0[r * NA], s1 = a1[r * NA];
+        for (int a = 1; a < NA; a++) {
+            s0 = _mm512_add_ps(s0, a0[r * NA + a]);
+            s1 = _mm512_add_ps(s1, a1[r * NA + a]);
+        }
+        res[r * rs] = _mm512_reduce_add_ps(s0) * f;
+        res[r * rs + 1] = _mm512_reduce_add_ps(s1) * f;
+    }
+}
+
 /* One pair (w: its chunks) x R rows of x: res[r * rs], res[r * rs + 1] get the sums / 256. */
 static inline __attribute__((always_inline)) void pair_avx512(const uint8_t *restrict w, int chunks,
                                                               const float *restrict xf, int64_t xs, const int R,
                                                               float *restrict res, int64_t rs) {
+    const int NA = R <= 2 ? 4 : 1; /* accumulators per row of x: few rows need more independent FMA chains */
     __m512 a0[8], a1[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int i = 0; i < R * NA; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int c = 0; c < chunks; c++) {
 #pragma GCC unroll 4
         for (int s = 0; s < CH; s += 16) {
             const __m512 v0 = _mm512_cvtph_ps(to_half_bits(_mm_loadu_si128((const __m128i *)(w + 2 * CH * c + s))));
             const __m512 v1 = _mm512_cvtph_ps(to_half_bits(_mm_loadu_si128((const __m128i *)(w + 2 * CH * c + CH + s))));
+            const int a = (s / 16) % NA;
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const __m512 xv = _mm512_loadu_ps(xf + r * xs + CH * c + s);
-                a0[r] = _mm512_fmadd_ps(v0, xv, a0[r]);
-                a1[r] = _mm512_fmadd_ps(v1, xv, a1[r]);
+                a0[r * NA + a] = _mm512_fmadd_ps(v0, xv, a0[r * NA + a]);
+                a1[r * NA + a] = _mm512_fmadd_ps(v1, xv, a1[r * NA + a]);
             }
         }
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
-        res[r * rs] = _mm512_reduce_add_ps(a0[r]);
-        res[r * rs + 1] = _mm512_reduce_add_ps(a1[r]);
-    }
+    finish_pair(a0, a1, R, NA, 1.0f, res, rs);
 }
 #define PAIR_TILES 8, 4, 2, 1
 #define PAIR_KERNEL pair_avx512
@@ -167,11 +180,12 @@ static inline __attribute__((always_inline)) void pair_avx2(const uint8_t *restr
 /* VBMI: vpermi2b looks 64 codes up in two 128-entry byte tables (the bf16's high and low bytes of
  * each magnitude), the sign is OR-ed into the high bytes, and two byte interleaves give 64 bf16 in
  * two vectors: elements {0-7, 16-23, 32-39, 48-55} of the chunk, then {8-15, 24-31, ...}. Float32
- * activations widen those by two more word interleaves with zeros (four vectors in the order of
- * vbmi_column); x is laid out in the decoder's order once per call. */
+ * activations widen those with a shift (even words) and an AND (odd words), four vectors in the
+ * order of vbmi_column; x is laid out in the decoder's order once per call. */
 static inline int vbmi_column(int i, int bf16) {
     if (bf16) return i < 32 ? (i / 8) * 16 + i % 8 : ((i - 32) / 8) * 16 + 8 + (i - 32) % 8;
-    return 16 * ((i % 16) / 4) + 4 * (i / 16) + i % 4;
+    const int q = i / 16, p = i % 16; /* vector q, lane p: lane p / 4 of 128 bits, dword p % 4 */
+    return 16 * (p / 4) + 2 * (p % 4) + (q & 1) + 8 * (q >> 1);
 }
 
 typedef struct {
@@ -197,35 +211,32 @@ static inline __attribute__((always_inline)) void pair_vbmi_f32(const uint8_t *r
                                                                 const float *restrict xp, int64_t xs, const int R,
                                                                 float *restrict res, int64_t rs) {
     const vbmi_tables t = load_tables();
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const int NA = R <= 2 ? 2 : 1;
     __m512 a0[8], a1[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int i = 0; i < R * NA; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int c = 0; c < chunks; c++) {
         __m512 v[2][4];
         for (int j = 0; j < 2; j++) {
             __m512i b0, b1;
             decode64(w + 2 * CH * c + CH * j, &t, &b0, &b1);
-            v[j][0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, b0));
-            v[j][1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, b0));
-            v[j][2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, b1));
-            v[j][3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, b1));
+            v[j][0] = _mm512_castsi512_ps(_mm512_slli_epi32(b0, 16));  /* even words: shifted up */
+            v[j][1] = _mm512_castsi512_ps(_mm512_and_si512(b0, high));   /* odd words: already high */
+            v[j][2] = _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16));
+            v[j][3] = _mm512_castsi512_ps(_mm512_and_si512(b1, high));
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++) {
                 const __m512 xv = _mm512_loadu_ps(xp + r * xs + CH * c + 16 * q);
-                a0[r] = _mm512_fmadd_ps(v[0][q], xv, a0[r]);
-                a1[r] = _mm512_fmadd_ps(v[1][q], xv, a1[r]);
+                a0[r * NA + q % NA] = _mm512_fmadd_ps(v[0][q], xv, a0[r * NA + q % NA]);
+                a1[r * NA + q % NA] = _mm512_fmadd_ps(v[1][q], xv, a1[r * NA + q % NA]);
             }
         }
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
-        res[r * rs] = _mm512_reduce_add_ps(a0[r]) * (1.0f / 256.0f); /* the tables hold values: / 256 as the rest */
-        res[r * rs + 1] = _mm512_reduce_add_ps(a1[r]) * (1.0f / 256.0f);
-    }
+    finish_pair(a0, a1, R, NA, 1.0f / 256.0f, res, rs); /* the tables hold values: / 256 as the rest */
 }
 
 #ifdef HAVE_BF16_DOT
@@ -233,9 +244,10 @@ static inline __attribute__((always_inline)) void pair_bf16(const uint8_t *restr
                                                             const uint16_t *restrict xb, int64_t xs, const int R,
                                                             float *restrict res, int64_t rs) {
     const vbmi_tables t = load_tables();
+    const int NA = R <= 2 ? 2 : 1;
     __m512 a0[8], a1[8];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int i = 0; i < R * NA; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int c = 0; c < chunks; c++) {
         __m512i v[2][2];
         for (int j = 0; j < 2; j++) decode64(w + 2 * CH * c + CH * j, &t, &v[j][0], &v[j][1]);
@@ -243,15 +255,14 @@ static inline __attribute__((always_inline)) void pair_bf16(const uint8_t *restr
         for (int r = 0; r < R; r++) {
             const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xb + r * xs + CH * c);
             const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xb + r * xs + CH * c + 32);
-            a0[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a0[r], (__m512bh)v[0][0], x0), (__m512bh)v[0][1], x1);
-            a1[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a1[r], (__m512bh)v[1][0], x0), (__m512bh)v[1][1], x1);
+            __m512 *b0 = &a0[r * NA], *b1 = &a1[r * NA];
+            b0[0] = _mm512_dpbf16_ps(b0[0], (__m512bh)v[0][0], x0);
+            b1[0] = _mm512_dpbf16_ps(b1[0], (__m512bh)v[1][0], x0);
+            b0[NA - 1] = _mm512_dpbf16_ps(b0[NA - 1], (__m512bh)v[0][1], x1);
+            b1[NA - 1] = _mm512_dpbf16_ps(b1[NA - 1], (__m512bh)v[1][1], x1);
         }
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
-        res[r * rs] = _mm512_reduce_add_ps(a0[r]) * (1.0f / 256.0f);
-        res[r * rs + 1] = _mm512_reduce_add_ps(a1[r]) * (1.0f / 256.0f);
-    }
+    finish_pair(a0, a1, R, NA, 1.0f / 256.0f, res, rs);
 }
 #endif
 #endif
