@@ -53,7 +53,7 @@ from ..ops import int4_linear as int4_op
 from ..ops.prepacked_linear import prepack_supported
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from ..quant.config import QuantConfig
-from ..quant.precision import Candidate, choose_int4, choose_tiers  # noqa: F401  (re-exported for bench/)
+from ..quant.precision import Candidate, choose_tiers
 from ..quant.result import QuantResult, has_fp8, sensitivity
 from .dead_code import eliminate_dead_code
 from .fuse_projections import _fake_like, _param
