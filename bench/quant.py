@@ -36,6 +36,8 @@ interleaved, medians): the FP8 C
 kernel (``devin::fp8_linear``, e4m3 + per-row scales) vs the dense bf16 and fp32 linears this CPU
 runs (oneDNN prepacked where it has them, and plain ``F.linear``) and the INT4 C kernel (g64), for
 bf16 and fp32 activations; where ``backends/fp8/kernels.MAX_FP8_TOKENS`` comes from.
+``--parts tiers-speed``: batch-1 bf16 decode tok/s of dense, all-INT4, the three-tier mix at half the
+bf16 bytes and all-FP8 SmolLM2, repeats interleaved.
 """
 from __future__ import annotations
 
@@ -393,6 +395,34 @@ def fp8(args, out: dict) -> None:
     out["fp8_kernel"] = res
 
 
+def tiers_speed(args, out: dict) -> None:
+    """Batch-1 decode tok/s of SmolLM2 in bf16: dense, all INT4, the three-tier mix at half the bf16
+    bytes, all FP8 (RTN artifacts: speed does not depend on the method), repeats interleaved."""
+    model, tok = load_model(None, torch.bfloat16)
+    fp32, _ = load_model(None, torch.float32)
+    stream = load_token_stream(tok)
+    calib, _e = calibration_and_eval_chunks(stream, (4, 512), (1, 512))
+    stats = collect_stats(fp32, calib)
+    path = tempfile.mkdtemp(prefix="devin_quant_tiers_")
+    artifact.save(quant.quantize(fp32, stats, method="rtn", group_size=args.group_size, tiers="int4,fp8"), path)
+    del fp32
+    ids = tok(PROMPT)["input_ids"]
+    configs = {"devin bf16": None, "devin all INT4": {"tiers": "int4"},
+               "devin three-tier, memory_fraction=0.5": {"tiers": "int4,fp8", "target": {"memory_fraction": 0.5}},
+               "devin all FP8": {"tiers": "fp8"}}
+    engines = {name: devin_compile.optimize(model, tokenizer=tok, **({} if q is None else
+                                                                     {"quantized": path, "quantization": q}))
+               for name, q in configs.items()}
+    rows = time_devin_decodes(engines, ids, args.new_tokens, args.repeats)
+    for r in rows:
+        log(r.row())
+    base = rows[0].decode_tok_s
+    out["tiers_speed"] = {"dtype": "bfloat16", "new_tokens": args.new_tokens, "repeats": args.repeats,
+                          "threads": torch.get_num_threads(),
+                          "rows": {r.name: {"decode_tok_s": r.decode_tok_s, "vs_bf16": r.decode_tok_s / base,
+                                            "note": engines[r.name].quant_note} for r in rows}}
+
+
 def _interleaved_ms(fns: dict, repeats: int) -> dict:
     """Median ms of each callable, their repeats interleaved (one of each per round): ratios share the load."""
     for fn in fns.values():
@@ -419,7 +449,7 @@ def _median_ms(fn, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["kernels", "quality", "speed"],
-                    choices=["kernels", "quality", "speed", "fp8"])
+                    choices=["kernels", "quality", "speed", "fp8", "tiers-speed"])
     ap.add_argument("--methods", nargs="+", default=["rtn", "awq", "gptq"])
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--calib-chunks", type=int, default=16)
@@ -432,7 +462,7 @@ def main() -> None:
                  "threads": torch.get_num_threads()}
     for part in args.parts:
         log(f"\n== {part}")
-        {"kernels": kernels, "quality": quality, "speed": speed, "fp8": fp8}[part](args, out)
+        {"kernels": kernels, "quality": quality, "speed": speed, "fp8": fp8, "tiers-speed": tiers_speed}[part](args, out)
     out.pop("_artifact", None)
     out.pop("_artifact_head", None)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
