@@ -1,6 +1,6 @@
 """INT4 quality and speed on SmolLM2-135M-Instruct (real weights), in one run.
 
-    python bench/quant.py [--parts quality speed kernels] [--calib-chunks 16] [--eval-chunks 16]
+    python bench/quant.py [--parts quality speed kernels fp8] [--calib-chunks 16] [--eval-chunks 16]
                           [--methods rtn awq gptq] [--group-size 64] [--out bench/results/quant.json]
 
 Quality (fp32 model; calibration on the first ``--calib-chunks`` x 512 tokens of the calibration
@@ -29,6 +29,15 @@ under the same machine load. Without ``--parts quality`` first, speed uses RTN a
 Kernels: the per-step time of SmolLM2's 120 decoder linears (distinct weights per layer, so
 they stream from memory as in a real step) at 1..64 tokens, CPU int4 kernel vs oneDNN bf16:
 where the crossover that ``max_int4_tokens`` encodes lies.
+
+FP8 (``--parts fp8``): one SmolLM2-shaped linear (fused gate/up 3072x576, and down 576x1536), 30
+distinct copies (one per layer, so they stream from memory), at 1, 4, 8 and 16 rows (repeats
+interleaved, medians): the FP8 C
+kernel (``devin::fp8_linear``, e4m3 + per-row scales) vs the dense bf16 and fp32 linears this CPU
+runs (oneDNN prepacked where it has them, and plain ``F.linear``) and the INT4 C kernel (g64), for
+bf16 and fp32 activations; where ``backends/fp8/kernels.MAX_FP8_TOKENS`` comes from.
+``--parts tiers-speed``: batch-1 bf16 decode tok/s of dense, all-INT4, the three-tier mix at half the
+bf16 bytes and all-FP8 SmolLM2, repeats interleaved.
 """
 from __future__ import annotations
 
@@ -346,6 +355,87 @@ def kernels(args, out: dict) -> None:
         out["kernels"][str(dtype)[6:]] = res
 
 
+def fp8(args, out: dict) -> None:
+    from devin_compile.backends.fp8 import cpu_fp8_linear, format as f8, kernels as k8
+    from devin_compile.backends.int4 import format as fmt, kernels as k4
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    res = {"cpu": cpu, "threads": torch.get_num_threads(), "fp8_simd": cpu_fp8_linear.simd(),
+           "what": "30 distinct copies of one linear (streamed from memory), ms for all 30", "shapes": {}}
+    cpu_dev = torch.device("cpu")
+    for label, (n, k) in {"gate+up 3072x576": (3072, 576), "down 576x1536": (576, 1536)}.items():
+        gen = torch.Generator().manual_seed(0)
+        ws = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(30)]
+        f8w = [k8.prepare("cpu_c", *f8.quantize(w), cpu_dev) for w in ws]
+        i4w = [k4.prepare("cpu_c", *fmt.rtn_quantize(w, 64), 64, torch.bfloat16, cpu_dev) for w in ws]
+        rows = []
+        for dtype in (torch.bfloat16, torch.float32):
+            dense = {"F.linear": [w.to(dtype) for w in ws]}
+            if prepack_supported(dtype):
+                dense["oneDNN"] = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 1) for w in ws]
+            for m in (1, 4, 8, 16):
+                x = torch.randn(m, k).to(dtype)
+                fns = {"fp8_ms": lambda: [torch.ops.devin.fp8_linear(x, q, s, n, "cpu_c") for q, s in f8w],
+                       "int4_g64_ms": lambda: [torch.ops.devin.int4_linear(x, q, s, 64, n, "cpu_c") for q, s in i4w]}
+                for name, wd in dense.items():
+                    if name == "oneDNN":
+                        fns[f"{str(dtype)[6:]} {name}_ms"] = lambda wd=wd: [
+                            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in wd]
+                    else:
+                        fns[f"{str(dtype)[6:]} {name}_ms"] = lambda wd=wd: [torch.nn.functional.linear(x, w) for w in wd]
+                row = {"dtype": str(dtype)[6:], "rows": m, **_interleaved_ms(fns, args.repeats * 3)}
+                best = min(v for key, v in row.items() if key.startswith(str(dtype)[6:]))
+                row["fp8_speedup_vs_best_dense"] = best / row["fp8_ms"]
+                rows.append(row)
+                log(f"{label:17} {str(dtype)[6:]:8} {m:2d} rows: " + "  ".join(
+                    f"{key[:-3]} {v:6.2f} ms" for key, v in row.items() if key.endswith("_ms"))
+                    + f"  FP8 vs best dense {row['fp8_speedup_vs_best_dense']:.2f}x")
+        res["shapes"][label] = rows
+    res["command"] = " ".join(sys.argv)
+    out["fp8_kernel"] = res
+
+
+def tiers_speed(args, out: dict) -> None:
+    """Batch-1 decode tok/s of SmolLM2 in bf16: dense, all INT4, the three-tier mix at half the bf16
+    bytes, all FP8 (RTN artifacts: speed does not depend on the method), repeats interleaved."""
+    model, tok = load_model(None, torch.bfloat16)
+    fp32, _ = load_model(None, torch.float32)
+    stream = load_token_stream(tok)
+    calib, _e = calibration_and_eval_chunks(stream, (4, 512), (1, 512))
+    stats = collect_stats(fp32, calib)
+    path = tempfile.mkdtemp(prefix="devin_quant_tiers_")
+    artifact.save(quant.quantize(fp32, stats, method="rtn", group_size=args.group_size, tiers="int4,fp8"), path)
+    del fp32
+    ids = tok(PROMPT)["input_ids"]
+    configs = {"devin bf16": None, "devin all INT4": {"tiers": "int4"},
+               "devin three-tier, memory_fraction=0.5": {"tiers": "int4,fp8", "target": {"memory_fraction": 0.5}},
+               "devin all FP8": {"tiers": "fp8"}}
+    engines = {name: devin_compile.optimize(model, tokenizer=tok, **({} if q is None else
+                                                                     {"quantized": path, "quantization": q}))
+               for name, q in configs.items()}
+    rows = time_devin_decodes(engines, ids, args.new_tokens, args.repeats)
+    for r in rows:
+        log(r.row())
+    base = rows[0].decode_tok_s
+    out["tiers_speed"] = {"dtype": "bfloat16", "new_tokens": args.new_tokens, "repeats": args.repeats,
+                          "threads": torch.get_num_threads(),
+                          "rows": {r.name: {"decode_tok_s": r.decode_tok_s, "vs_bf16": r.decode_tok_s / base,
+                                            "note": engines[r.name].quant_note} for r in rows}}
+
+
+def _interleaved_ms(fns: dict, repeats: int) -> dict:
+    """Median ms of each callable, their repeats interleaved (one of each per round): ratios share the load."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(max(3, repeats)):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()
     times = []
@@ -359,7 +449,7 @@ def _median_ms(fn, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["kernels", "quality", "speed"],
-                    choices=["kernels", "quality", "speed"])
+                    choices=["kernels", "quality", "speed", "fp8", "tiers-speed"])
     ap.add_argument("--methods", nargs="+", default=["rtn", "awq", "gptq"])
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--calib-chunks", type=int, default=16)
@@ -372,7 +462,7 @@ def main() -> None:
                  "threads": torch.get_num_threads()}
     for part in args.parts:
         log(f"\n== {part}")
-        {"kernels": kernels, "quality": quality, "speed": speed}[part](args, out)
+        {"kernels": kernels, "quality": quality, "speed": speed, "fp8": fp8, "tiers-speed": tiers_speed}[part](args, out)
     out.pop("_artifact", None)
     out.pop("_artifact_head", None)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

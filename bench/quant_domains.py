@@ -2,6 +2,8 @@
 
     python bench/quant_domains.py [--calib shipped|shakespeare ...] [--methods rtn awq gptq] [--group-size 64]
                                   [--eval-chunks 4] [--variants '{"damp": 0.1}' ...] [--out bench/results/quant-domains.json]
+    python bench/quant_domains.py --three-tier --methods gptq awq [--memory-fraction 0.5] [--eval-chunks 2]
+                                  [--out bench/results/quant-three-tier.json]
 
 SmolLM2-135M-Instruct (real weights, fp32). Calibration: 16 x 512 tokens of the set shipped
 in the package (``shipped``, the default) or, for comparison, of tinyshakespeare's start
@@ -20,7 +22,14 @@ their mean over legal, changelog and build-docs (genres neither calibration hold
 ``int4_fraction=0.8`` on the GPTQ result: the linears ``assign_precision`` keeps by estimated
 loss increase, against a sensitivity-blind choice of the same fp32 share (evenly spaced).
 Models are the eager simulation of the compiled model (``quant.simulate``: the same
-dequantized weights; tests/test_quant.py checks the two agree).
+dequantized weights; tests/test_quant.py and tests/test_fp8.py check the two agree).
+
+``--three-tier``: each of ``--methods`` (shipped calibration) with the FP8 tier too, and at a byte budget of
+``--memory-fraction`` (default 0.5) of the decoder linears' bf16 bytes (0.5: one byte a weight, what
+all-INT8 would take) the least-estimated-loss mix of INT4 + FP8 + bf16 against the least-loss mix
+of INT4 + bf16 in the same bytes (both ``quant.choose_tiers``, the knapsack ``assign_precision``
+runs), with all-INT4, all-FP8 (just over the budget: its row scales) and the knapsack's choice at
+all-FP8's bytes for reference; bytes are counted as a bf16 model stores them, the simulation runs in fp32.
 """
 from __future__ import annotations
 
@@ -42,7 +51,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from devin_compile import quant  # noqa: E402
 from devin_compile.models import load_model  # noqa: E402
-from devin_compile.passes.assign_precision import Candidate, choose_int4  # noqa: E402
+from devin_compile.backends.fp8.format import fp8_bytes  # noqa: E402
+from devin_compile.backends.int4.format import int4_bytes  # noqa: E402
+from devin_compile.quant.precision import Candidate, choose_int4, choose_tiers  # noqa: E402
 from devin_compile.quant.calibration import collect_stats  # noqa: E402
 from devin_compile.quant.corpus import load_token_stream, token_chunks  # noqa: E402
 from devin_compile.quant.evaluate import compare, hf_logits_fn, reference_logits  # noqa: E402
@@ -97,6 +108,55 @@ def mixed_sets(result, frac: float) -> tuple[set[str], set[str]]:
     return ranked, blind
 
 
+def tier_sets(result, choice: list[str], groups: list[list[str]]) -> tuple[set[str], set[str]]:
+    """(INT4 linears, FP8 linears) of a per-group choice."""
+    return ({n for g, t in zip(groups, choice) if t == "int4" for n in g},
+            {n for g, t in zip(groups, choice) if t == "fp8" for n in g})
+
+
+def three_tier(args, model, stats, evaluate, out: dict, method: str) -> None:
+    """The three-tier mix against the best two-tier mix at the same bytes (see the module docstring)."""
+    t0 = time.perf_counter()
+    res = quant.quantize(model, stats, progress=False, method=method, group_size=args.group_size, tiers="int4,fp8")
+    secs = time.perf_counter() - t0
+    groups = res.groups or [[n] for n in res.linears]
+    s4, kind = sensitivity(res, groups)
+    s8, _ = sensitivity(res, groups, "fp8")
+    cands = []
+    for g, a, b in zip(groups, s4, s8):
+        n, k = sum(res.linears[x].shape[0] for x in g), res.linears[g[0]].shape[1]
+        gs = res.linears[g[0]].group_size
+        cands.append(Candidate(None, g, n, k, gs, a, n * k * 2, int4_bytes(n, k, gs, 2), b, fp8_bytes(n, k)))
+    bf16 = sum(c.fp_bytes for c in cands)
+    all_fp8 = sum(c.fp8_bytes for c in cands)
+    target = {"kind": "memory_fraction", "value": args.memory_fraction}
+    mixes = {"three-tier INT4+FP8+bf16": choose_tiers(cands, target, ("int4", "fp8")),
+             "two-tier INT4+bf16": choose_tiers(cands, target, ("int4",)),
+             "all INT4": ["int4"] * len(cands), "all FP8": ["fp8"] * len(cands),
+             "three-tier at all-FP8's bytes": choose_tiers(cands, {"kind": "memory_bytes", "value": all_fp8},
+                                                            ("int4", "fp8"))}
+    info = {"method": f"{method} g{args.group_size}", "quantize_seconds": secs, "sensitivity_kind": kind,
+            "bf16_decoder_linear_bytes": bf16, "budget_bytes": int(args.memory_fraction * bf16),
+            "memory_fraction": args.memory_fraction, "rows": []}
+    out.setdefault("three_tier", {})[method] = info
+    rows = []
+    for label, choice in mixes.items():
+        nbytes = sum({"int4": c.int4_bytes, "fp8": c.fp8_bytes, "fp": c.fp_bytes}[t] for c, t in zip(cands, choice))
+        est = sum({"int4": c.sensitivity, "fp8": c.fp8_sensitivity, "fp": 0.0}[t] for c, t in zip(cands, choice))
+        counts = {t: choice.count(t) for t in ("int4", "fp8", "fp")}
+        int4, fp8 = tier_sets(res, choice, groups)
+        row = evaluate(f"{method} {label} ({nbytes / bf16:.3f} of bf16)", "shipped", res, int4=int4, fp8=fp8,
+                       extra={"bytes": nbytes, "fraction_of_bf16": nbytes / bf16, "estimated_loss_increase": est,
+                              "linears_per_tier": counts, "choice": {"+".join(c.names): t
+                                                                      for c, t in zip(cands, choice)}})
+        rows.append(row)
+        info["rows"].append(row["config"])
+        log(f"  {label}: {counts}, bytes {nbytes / bf16:.3f} of bf16, estimated loss +{est:.4f} nats")
+    a, b = rows[:2]
+    info["three_vs_two_tier_ppl_increase"] = {
+        d: {"three": a["domains"][d]["ppl_increase"], "two": b["domains"][d]["ppl_increase"]} for d in a["domains"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calib", nargs="+", default=["shipped"], choices=["shipped", "shakespeare"],
@@ -108,6 +168,10 @@ def main() -> int:
     ap.add_argument("--calib-chunks", type=int, default=16)
     ap.add_argument("--variants", nargs="*", default=[], help="extra GPTQ option dicts (JSON) to try")
     ap.add_argument("--no-mixed", action="store_true")
+    ap.add_argument("--three-tier", action="store_true",
+                    help="only the three-tier (INT4+FP8+bf16) vs two-tier (INT4+bf16) comparison at --memory-fraction")
+    ap.add_argument("--memory-fraction", type=float, default=0.5,
+                    help="--three-tier byte budget, a fraction of the decoder linears' bf16 bytes (default 0.5)")
     ap.add_argument("--out", default="bench/results/quant-domains.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -126,8 +190,8 @@ def main() -> int:
            "eval_tokens_per_domain": args.eval_chunks * 511, "domains": {k: v for k, v in sources.items()},
            "rows": []}
 
-    def evaluate(label: str, calib: str, result, int4=None, extra=None) -> dict:
-        sim = quant.simulate(model, result, int4=int4)
+    def evaluate(label: str, calib: str, result, int4=None, extra=None, fp8=None) -> dict:
+        sim = quant.simulate(model, result, int4=int4, fp8=fp8)
         row = {"config": label, "calibration": calib, **(extra or {}), "domains": {}}
         for name in evals:
             row["domains"][name] = compare(hf_logits_fn(sim), evals[name], refs[name]).as_dict()
@@ -139,6 +203,15 @@ def main() -> int:
         log(f"{calib:11} {label:34} {cells}  held-out mean {row['held_out_mean_ppl_increase']:+.1%}")
         return row
 
+    if args.three_tier:
+        t0 = time.perf_counter()
+        stats = collect_stats(model, token_chunks(load_token_stream(tok, None), args.calib_chunks, 512),
+                              progress=False, data="shipped", fisher=True)
+        log(f"shipped: calibration {stats.tokens} tokens in {time.perf_counter() - t0:.1f} s")
+        out["command"] = " ".join(sys.argv)
+        for method in args.methods:
+            three_tier(args, model, stats, evaluate, out, method)
+        args.calib = []
     for calib in args.calib:
         data = None if calib == "shipped" else str(SHAKESPEARE)
         t0 = time.perf_counter()

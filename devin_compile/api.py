@@ -116,12 +116,15 @@ def _resolve_quantization(model: torch.nn.Module, tokenizer, config: OptimizeCon
     """(QuantResult, QuantConfig) for the assign_precision pass, or None: quantize now
     (``quantization={...}``) or load a saved artifact (``quantized="dir/"``)."""
     from .quant import QuantConfig, artifact, quantize_for_optimize
+    from .quant.result import check_tiers
 
     if config.quantized is not None:
         result = artifact.load(config.quantized, model)
         merged = {k: v for k, v in result.config.items() if k in {f for f in QuantConfig.__dataclass_fields__}}
         merged.update(config.quantization or {})
-        return result, QuantConfig.coerce(merged)
+        qcfg = QuantConfig.coerce(merged)
+        check_tiers(result, qcfg.tiers, f"the artifact {config.quantized}")
+        return result, qcfg
     if config.quantization is not None:
         return quantize_for_optimize(model, tokenizer, config.quantization), config.quantization
     return None

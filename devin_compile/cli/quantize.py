@@ -1,4 +1,4 @@
-"""``devin-compile quantize calibrate | run | validate``: weight-only INT4 (see devin_compile.quant)."""
+"""``devin-compile quantize calibrate | run | validate``: weight-only INT4 and FP8 (see devin_compile.quant)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import common
 
-HELP = "weight-only INT4: calibrate, then run (quantize), then validate"
+HELP = "weight-only INT4 / FP8: calibrate, then run (quantize), then validate"
 DESCRIPTION = ("Weight-only INT4 in three stages: calibrate (activation statistics on real text), run (quantize "
                "with RTN, AWQ or GPTQ; writes an artifact that optimize(quantized=DIR) loads), validate "
                "(perplexity, KL and top-1 against the unquantized model). Run \"devin-compile quantize STAGE "
@@ -52,6 +52,12 @@ def add_arguments(p) -> None:
     r.add_argument("--group-size", type=int, default=64, metavar="G",
                    help="weights sharing one scale and minimum: 32, 64 or 128 (default 64)")
     r.add_argument("--target", default="all", help=TARGET_HELP)
+    r.add_argument("--tiers", default="int4", metavar="T[,T]",
+                   help="precisions below the model dtype a linear may take: int4, fp8 or int4,fp8 (FP8: e4m3 with "
+                        "per-row scales, stored alongside INT4; byte-budget targets pick a tier per linear)")
+    r.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                   help="shorthand for --target memory_fraction=F: decoder-linear bytes at most F times the model "
+                        "dtype's, the least-loss mix of --tiers and the model dtype")
     r.add_argument("--no-act-order", action="store_true",
                    help="GPTQ: columns in their natural order (default: by decreasing Hessian diagonal)")
     r.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ) / static clipped grid (GPTQ)")
@@ -141,8 +147,14 @@ def quantize(args) -> int:
     from ..quant.calibration import META_FILE, STATS_FILE, CalibrationStats
     from ..quant.corpus import data_from_label, load_token_stream, token_chunks
 
-    cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=args.target,
-                      act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
+    target = args.target
+    if args.memory_fraction is not None:
+        if target != "all":
+            raise ValueError(f"--memory-fraction {args.memory_fraction} and --target {target} both set the target: "
+                             "give one")
+        target = {"memory_fraction": args.memory_fraction}
+    cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=target,
+                      tiers=args.tiers, act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
                       **({} if args.damp is None else {"damp": args.damp}))
     calib = Path(args.calib)
     if not (calib / META_FILE).is_file() or not (calib / STATS_FILE).is_file():
@@ -160,7 +172,8 @@ def quantize(args) -> int:
                                   min(2, stats.num_chunks), stats.chunk_len)
             resolve_target(model, result, cfg, chunks)
     artifact.save(result, args.out)
-    con.print(f"quantized {len(result.linears)} linears with {cfg.method} in {result.seconds:.1f} s → {args.out}")
+    tiers = "+".join(t.upper() for t in cfg.tiers)
+    con.print(f"quantized {len(result.linears)} linears with {cfg.method} ({tiers}) in {result.seconds:.1f} s → {args.out}")
     for note in result.notes:
         con.print(f"  note: {note}")
     return 0
@@ -180,6 +193,8 @@ def validation_markdown(rep: dict) -> str:
              f"| KL(ref ‖ quant), mean per token | {q['kl']:.4f} |",
              f"| top-1 agreement | {q['top1']:.2%} |",
              f"| decoder-linear weight bytes | {rep['int4_bytes_total']} (vs {rep['fp_bytes_total']} unquantized) |",
+             "| linears per precision | " + ", ".join(f"{p} {n}" for p, n in rep.get("precision_counts", {}).items())
+             + " |",
              "", rep["pass_note"], "", precision_table_markdown(rep["layers"])]
     return "\n".join(lines)
 

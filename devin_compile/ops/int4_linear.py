@@ -12,11 +12,9 @@ layout of ``kernel`` (``"reference" | "cpu" | "cpu_c" | "triton"``, see
 
 Kernel choice by the number of tokens in the step: when ``dense`` is given (the weight
 dequantized once, at compile time, to the activation dtype) and the call has more than
-``max_int4_tokens`` rows, it runs as a dense linear (``dense_kernel="mkldnn"``: a oneDNN
-prepacked weight, as :mod:`~devin_compile.passes.prepack_linear` makes them); otherwise the
-int4 kernel runs. ``dense_kernel="upcast"``: float32 GEMMs over the half-precision copy
-(:func:`~devin_compile.ops.upcast_linear.upcast_linear`, for CPUs without native bf16/fp16
-GEMMs). ``max_int4_tokens=-1`` means "always int4".
+``max_int4_tokens`` rows, it runs as a dense linear (:mod:`.dense_copy`: ``dense_kernel``
+"mkldnn", "upcast" or "linear"); otherwise the int4 kernel runs. ``max_int4_tokens=-1`` means
+"always int4".
 """
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ import torch
 from ..backends.int4 import crossover, kernels
 from ..backends.int4.format import dequantize, int4_bytes  # noqa: F401  (re-exported for passes)
 from .prepacked_linear import prepack_supported
-from .upcast_linear import upcast_linear
+from .dense_copy import dense_step
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size, int out_features, "
@@ -37,12 +35,9 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tens
                 out_features: int, kernel: str, bias: torch.Tensor | None = None,
                 dense: torch.Tensor | None = None, max_int4_tokens: int = -1,
                 dense_kernel: str = "linear") -> torch.Tensor:
-    if dense is not None and max_int4_tokens >= 0 and x.numel() // x.shape[-1] > max_int4_tokens:
-        if dense_kernel == "mkldnn":
-            return torch.ops.mkldnn._linear_pointwise(x, dense, bias, "none", [], "")
-        if dense_kernel == "upcast":
-            return upcast_linear(x, dense, bias, min_rows=0)
-        return torch.nn.functional.linear(x, dense, bias)
+    y = dense_step(x, dense, bias, max_int4_tokens, dense_kernel)
+    if y is not None:
+        return y
     return kernels.run(x, qweight, scales_zeros, group_size, out_features, kernel, bias)
 
 

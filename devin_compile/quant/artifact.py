@@ -8,16 +8,20 @@ when it was quantized too (``head`` in the JSON)::
     NAME.minv       fp32  [N, G]
     NAME.in_scale   fp32  [K]   (AWQ only) the quantized weight is W · diag(in_scale)
     NAME.row_scale  fp32  [N]   (AWQ only) ... and diag(row_scale) · W
+    NAME.fp8_weight float8_e4m3fn [N, K]  (FP8 tier) e4m3 codes of the same weight (backends.fp8.format)
+    NAME.fp8_scale  fp32  [N]   (FP8 tier) per-row scales
     override.PARAM  model dtype   a replacement for an HF parameter (AWQ-scaled norm weights)
 
 ``quant_config.json`` holds the format name and version, the method, bits, requested group
 size and the options it was made with (target, kernel, ...), the model's fingerprint
 (:func:`~devin_compile.quant.calibration.model_fingerprint`), and per linear its shape,
 group size (and why it differs from the requested one), output error and signal, and estimated
-loss increase (null when the calibration had no output gradients).
+loss increase (null when the calibration had no output gradients), and for the FP8 tier
+(``"fp8": true``) the same two statistics of its rounding (``fp8_err``, ``fp8_loss_delta``).
 
 :func:`load` checks everything against the model: format and version, fingerprint, every
-tensor present with the shape and dtype the JSON and the model imply, q values in range;
+tensor present with the shape and dtype the JSON and the model imply, q values in range
+(no e4m3 NaN codes, finite scales);
 anything wrong is a ``ValueError`` naming the tensor, never silent garbage.
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
 from .calibration import check_fingerprint, output_head, quantizable_linears
 from .result import QLinear, QuantResult
@@ -55,7 +60,12 @@ def save(result: QuantResult, out_dir: str | os.PathLike) -> Path:
             tensors[f"{name}.row_scale"] = ql.row_scale.float().clone()
         layers[name] = {"shape": list(ql.shape), "group_size": ql.group_size, "group_note": ql.group_note,
                         "err": ql.err, "signal": ql.signal, "loss_delta": ql.loss_delta,
-                        "in_scale": ql.in_scale is not None, "row_scale": ql.row_scale is not None}
+                        "in_scale": ql.in_scale is not None, "row_scale": ql.row_scale is not None,
+                        "fp8": ql.fp8_q is not None}
+        if ql.fp8_q is not None:
+            tensors[f"{name}.fp8_weight"] = ql.fp8_q.contiguous().view(torch.float8_e4m3fn)
+            tensors[f"{name}.fp8_scale"] = ql.fp8_scale.float().contiguous()
+            layers[name].update(fp8_err=ql.fp8_err, fp8_loss_delta=ql.fp8_loss_delta)
     for pname, value in result.overrides.items():
         tensors[f"override.{pname}"] = value.contiguous()
     meta = {"format": FORMAT, "version": VERSION, "method": result.method, "bits": result.bits,
@@ -122,8 +132,17 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
         s_in = get(f"{name}.in_scale", (k,), torch.float32) if info.get("in_scale") else None
         s_row = get(f"{name}.row_scale", (n,), torch.float32) if info.get("row_scale") else None
         loss_delta = info.get("loss_delta")
-        linears[name] = QLinear(q, scale, minv, g, info.get("group_note", ""), float(info["err"]),
-                                float(info["signal"]), s_in, s_row, None if loss_delta is None else float(loss_delta))
+        ql = QLinear(q, scale, minv, g, info.get("group_note", ""), float(info["err"]),
+                     float(info["signal"]), s_in, s_row, None if loss_delta is None else float(loss_delta))
+        if info.get("fp8"):
+            q8 = get(f"{name}.fp8_weight", (n, k), torch.float8_e4m3fn).view(torch.uint8)
+            s8 = get(f"{name}.fp8_scale", (n,), torch.float32)
+            if fp8_fmt.has_nan_codes(q8) or not torch.isfinite(s8).all():
+                raise ValueError(f"quantized model {p}: {name} has NaN FP8 codes or non-finite FP8 scales")
+            d8 = info.get("fp8_loss_delta")
+            ql.fp8_q, ql.fp8_scale, ql.fp8_err = q8, s8, float(info["fp8_err"])
+            ql.fp8_loss_delta = None if d8 is None else float(d8)
+        linears[name] = ql
     params = dict(model.named_parameters())
     overrides = {}
     for pname in meta.get("overrides", []):

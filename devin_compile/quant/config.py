@@ -2,7 +2,9 @@
 
 ``optimize(model, quantization={...})`` and ``devin-compile quantize run`` take the same keys.
 A target says which linears end up INT4 (``all``, ``keep_fp=N``, ``int4_fraction=F``,
-``memory_bytes=B``, ``memory_fraction=F``, ``keep=NAMES``, ``max_kl=X``);
+``memory_bytes=B``, ``memory_fraction=F``, ``keep=NAMES``, ``max_kl=X``); ``tiers`` which
+precisions below the model dtype may be used (``int4``, ``fp8``: the byte-budget targets choose
+among them per linear);
 :data:`RUNTIME_KEYS` are the keys that only steer how an already quantized model is compiled.
 """
 from __future__ import annotations
@@ -18,7 +20,19 @@ METHODS = ("rtn", "awq", "gptq")
 TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fraction", "keep", "max_kl")
 INT4_KERNELS = ("auto", "cpu", "cpu_c", "reference", "triton")
 # Keys that only steer how an already quantized model is compiled; the rest fix the weights.
-RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill", "progress")
+RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill", "progress", "tiers")
+# Precision tiers below the model dtype a linear may take (the model dtype is always a choice).
+TIERS = ("int4", "fp8")
+
+
+def parse_tiers(value: Any) -> tuple[str, ...]:
+    """``"int4,fp8"``, ``["fp8"]`` … → a tuple in :data:`TIERS` order; a ``ValueError`` naming the choices."""
+    names = [t.strip() for t in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(t, str) for t in names) \
+            or set(names) - set(TIERS):
+        raise ValueError(f"quantization tiers={value!r} is invalid; give a non-empty subset of {list(TIERS)} "
+                         "(e.g. 'int4,fp8'; the model dtype is always a choice)")
+    return tuple(t for t in TIERS if t in names)
 
 
 def parse_target(value: Any) -> dict:
@@ -89,6 +103,9 @@ class QuantConfig:
     # also quantize the output head (lm_head; untied from a tied embedding, which stays in the model dtype)
     lm_head: bool = False
     progress: bool = True  # tqdm bars on stderr for calibration and the per-layer loop (False: silent)
+    # precision tiers below the model dtype: "int4" and/or "fp8" (e4m3, per-row scales); byte-budget
+    # targets pick each linear's tier by a knapsack over the estimated loss (passes/assign_precision.py)
+    tiers: Any = ("int4",)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -96,6 +113,7 @@ class QuantConfig:
         one_of("quantization bits", self.bits, fmt.SUPPORTED_BITS, "is unsupported")
         one_of("quantization group_size", self.group_size, fmt.SUPPORTED_GROUP_SIZES, "is unsupported")
         self.target = parse_target(self.target)
+        self.tiers = parse_tiers(self.tiers)
         one_of("quantization kernel", self.kernel, INT4_KERNELS)
         int_at_least("max_int4_tokens", self.max_int4_tokens, 0, optional=True)
         flag("lm_head", self.lm_head)

@@ -99,6 +99,7 @@ def validate(model: torch.nn.Module, tokenizer, quantized: str, *, optimize: Cal
     quality = compare(optimized_logits_fn(opt), chunks, ref, progress=progress)
     table = opt.precision_table
     return {"quantized": str(quantized), "quality": quality.as_dict(), "chunks": num_chunks, "chunk_len": chunk_len,
-            "int4_bytes_total": sum(r["bytes"] for r in table),
+            "int4_bytes_total": sum(r["bytes"] for r in table),  # all quantized tiers (the key predates FP8)
+            "precision_counts": {p: sum(r["precision"] == p for r in table) for p in sorted({r["precision"] for r in table})},
             "fp_bytes_total": sum(r["params"] for r in table) * next(model.parameters()).element_size(),
             "compile_seconds": compile_s, "layers": table, "pass_note": opt.quant_note}

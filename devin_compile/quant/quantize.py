@@ -7,7 +7,9 @@ target) and returns a :class:`~.result.QuantResult`: per linear the logical INT4
 ``tr(W H Wᵀ)`` on the calibration tokens (their ratio: the relative output error when that
 layer alone is quantized), its estimated loss increase ``½ Σ_j fisher_j (ΔW H ΔWᵀ)_jj`` when
 the calibration has output-gradient statistics (:mod:`.calibration`), and for AWQ the scales
-folded into norms and preceding linears.
+folded into norms and preceding linears. With ``tiers`` including ``fp8``, each linear also gets
+its FP8 weight (e4m3, per-row absmax scales: :mod:`devin_compile.backends.fp8.format`, RTN
+whatever the method) with the same error and loss statistics.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Mapping
 import torch
 
 from . import awq, gptq
+from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
 from .calibration import CalibrationStats, model_fingerprint, output_head, quantizable_linears
 from .config import QuantConfig
@@ -129,6 +132,8 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
             f = fisher.float() if s_row is None else fisher.float() / s_row.pow(2)
             loss_delta = 0.5 * float((f * row_err).sum())
         linears[n] = QLinear(q, sc, mn, g, why, err, signal, s_in, s_row, loss_delta)
+        if "fp8" in cfg.tiers:
+            _add_fp8(linears[n], ws, h, None if fisher is None else f)
         bar.update(i + 1, n)
     bar.__exit__()
     changed = sorted({why for _g, why in gsize.values() if why})
@@ -138,6 +143,15 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                        calib={"tokens": stats.tokens, "num_chunks": stats.num_chunks, "chunk_len": stats.chunk_len,
                               "data": stats.data, "seconds": stats.seconds}, notes=notes,
                        groups=[list(g) for g in groups.values()], head=head)
+
+
+def _add_fp8(ql: QLinear, ws: torch.Tensor, h: torch.Tensor, fisher: torch.Tensor | None) -> None:
+    """The FP8 tier of one linear: e4m3 codes with per-row absmax scales of the weight the kernels
+    see (``ws``, AWQ folds applied), and the same error statistics as INT4's for that rounding."""
+    q8, s8 = fp8_fmt.quantize(ws)
+    row_err = awq.output_error(fp8_fmt.dequantize(q8, s8) - ws, h)
+    ql.fp8_q, ql.fp8_scale, ql.fp8_err = q8, s8, float(row_err.sum())
+    ql.fp8_loss_delta = None if fisher is None else 0.5 * float((fisher * row_err).sum())
 
 
 def _config_dict(cfg: QuantConfig) -> dict:

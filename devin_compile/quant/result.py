@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
 
 
@@ -23,6 +24,12 @@ class QLinear:
     in_scale: torch.Tensor | None = None  # AWQ: the quantized weight is W · diag(in_scale)
     row_scale: torch.Tensor | None = None  # AWQ: ... and diag(row_scale) · W (a fold from the next linear)
     loss_delta: float | None = None  # ½ Σ_j fisher_j (ΔW H ΔWᵀ)_jj: estimated next-token loss increase (nats)
+    # the FP8 tier (tiers including "fp8"): e4m3 codes and row scales of the same (AWQ-folded) weight,
+    # and its output error and estimated loss increase, as err / loss_delta are for INT4
+    fp8_q: torch.Tensor | None = None  # uint8 [N, K] (backends.fp8.format)
+    fp8_scale: torch.Tensor | None = None  # fp32 [N]
+    fp8_err: float | None = None
+    fp8_loss_delta: float | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -41,6 +48,11 @@ class QLinear:
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return fmt.dequantize(self.q, self.scale, self.minv, self.group_size, dtype)
 
+    def fp8_dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.fp8_q is None:
+            raise ValueError("this linear has no FP8 weight (quantized without the fp8 tier)")
+        return fp8_fmt.dequantize(self.fp8_q, self.fp8_scale, dtype)
+
 
 @dataclass
 class QuantResult:
@@ -58,11 +70,32 @@ class QuantResult:
     head: str | None = None  # the output head's module name when it is quantized too (lm_head=True)
 
 
-def sensitivity(result: QuantResult, groups: list[list[str]]) -> tuple[list[float], str]:
+def has_fp8(result: QuantResult) -> bool:
+    """Whether every linear of ``result`` carries an FP8 weight (quantized with the fp8 tier)."""
+    return bool(result.linears) and all(ql.fp8_q is not None for ql in result.linears.values())
+
+
+def check_tiers(result: QuantResult, tiers: tuple[str, ...], where: str = "the quantized model") -> None:
+    """``ValueError`` when ``tiers`` asks for FP8 and ``result`` has no FP8 weights."""
+    if "fp8" in tiers and not has_fp8(result):
+        raise ValueError(f"quantization tiers {list(tiers)} include 'fp8', but {where} has no FP8 weights: "
+                         "quantize with tiers including 'fp8' (`devin-compile quantize run --tiers int4,fp8`)")
+
+
+def sensitivity(result: QuantResult, groups: list[list[str]], tier: str = "int4") -> tuple[list[float], str]:
     """Per group of linears (computed by one graph linear): the estimated loss increase when
-    that group alone is quantized, if every linear of ``result`` has one (calibration with
-    output-gradient statistics), else the relative output error. Returns (values, kind)."""
+    that group alone is quantized to ``tier`` ("int4" or "fp8"), if every linear of ``result``
+    has one (calibration with output-gradient statistics), else the relative output error.
+    Returns (values, kind)."""
     lins = result.linears
-    if all(ql.loss_delta is not None for ql in lins.values()):
-        return [sum(lins[n].loss_delta for n in g) for g in groups], "loss"
-    return [sum(lins[n].err for n in g) / max(1e-30, sum(lins[n].signal for n in g)) for g in groups], "relative"
+    if tier == "fp8":
+        if not has_fp8(result):
+            raise ValueError("the quantized model has no FP8 weights: quantize with tiers including 'fp8'")
+        loss = {n: ql.fp8_loss_delta for n, ql in lins.items()}
+        err = {n: ql.fp8_err for n, ql in lins.items()}
+    else:
+        loss = {n: ql.loss_delta for n, ql in lins.items()}
+        err = {n: ql.err for n, ql in lins.items()}
+    if all(v is not None for v in loss.values()):
+        return [sum(loss[n] for n in g) for g in groups], "loss"
+    return [sum(err[n] for n in g) / max(1e-30, sum(lins[n].signal for n in g)) for g in groups], "relative"

@@ -9,22 +9,28 @@ from .calibration import output_head, quantizable_linears
 from .result import QuantResult
 
 
-def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None = None) -> torch.nn.Module:
-    """A deep copy of ``model`` with the linears in ``int4`` (default: all) replaced by their
-    dequantized weights and the others by their full-precision weights, AWQ folds applied:
-    what the compiled model computes, in eager PyTorch (for tests and evaluation)."""
+def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None = None,
+             fp8: set[str] | None = None) -> torch.nn.Module:
+    """A deep copy of ``model`` with the linears in ``int4`` (default: all but ``fp8``) replaced by
+    their dequantized INT4 weights, those in ``fp8`` by their dequantized FP8 weights and the
+    others by their full-precision weights, AWQ folds applied: what the compiled model computes,
+    in eager PyTorch (for tests and evaluation)."""
     sim = copy.deepcopy(model)
     if result.head is not None:
         untie_head(sim)
     params = dict(sim.named_parameters())
     lins = quantizable_linears(sim, lm_head=result.head is not None)
-    chosen = set(result.linears) if int4 is None else set(int4)
+    eight = set(fp8 or ())
+    chosen = set(result.linears) - eight if int4 is None else set(int4)
+    if chosen & eight:
+        raise ValueError(f"simulate: linears both INT4 and FP8, e.g. {sorted(chosen & eight)[:3]}")
     with torch.no_grad():
         for pname, value in result.overrides.items():
             params[pname].copy_(value)
         for n, ql in result.linears.items():
             w = lins[n].weight
-            w.copy_(ql.dequantized(w.dtype) if n in chosen else ql.fp_weight(w))
+            w.copy_(ql.dequantized(w.dtype) if n in chosen else ql.fp8_dequantized(w.dtype) if n in eight
+                    else ql.fp_weight(w))
     return sim
 
 

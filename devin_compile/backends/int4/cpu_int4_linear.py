@@ -34,7 +34,7 @@ import ctypes
 import torch
 
 from . import format as fmt
-from ..native.build import CKernel
+from ..native.build import VARIANTS, CKernel  # noqa: F401  (VARIANTS: re-exported for tests)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _p = ctypes.c_void_p
@@ -49,21 +49,10 @@ _KERNEL = CKernel("cpu_int4_linear.c", {"devin_int4_simd": [], "devin_int4_linea
                                          "devin_int4_linear_scalar": _ARGS})
 
 
-# Builds of the same source with instruction sets turned off, so that one machine tests the code
-# paths of smaller ones (each runs where the native build does: the flags only take features away).
-VARIANTS = {"native": (), "avx512_no_vnni": ("-mno-avx512vnni",), "avx2": ("-mno-avx512f",),
-            "portable": ("-mno-avx2",)}
-_VARIANT_KERNELS: dict[str, CKernel] = {}
-
-
 def load(variant: str = "native") -> ctypes.CDLL | None:
-    """The compiled kernel (``variant``: a key of :data:`VARIANTS`), building it the first time;
-    None if it cannot be built here."""
-    if variant == "native":
-        return _KERNEL.load()
-    if variant not in _VARIANT_KERNELS:
-        _VARIANT_KERNELS[variant] = CKernel(_KERNEL.source.name, _KERNEL.functions, VARIANTS[variant])
-    return _VARIANT_KERNELS[variant].load()
+    """The compiled kernel (``variant``: a key of :data:`~..native.build.VARIANTS`), building it
+    the first time; None if it cannot be built here."""
+    return _KERNEL.variant(variant).load()
 
 
 def available() -> bool:

@@ -153,6 +153,12 @@ class TorchOpKernel:
             return self._loaded
 
 
+# Builds of a source with instruction sets turned off, so that one machine tests the code paths of
+# smaller ones (each runs where the native build does: the flags only take features away).
+VARIANTS = {"native": (), "avx512_no_vnni": ("-mno-avx512vnni",), "avx512_no_bf16": ("-mno-avx512bf16",),
+            "avx512_no_vbmi": ("-mno-avx512vbmi",), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
+
+
 class CKernel:
     """One C source, built and loaded once per process; ``functions`` maps each exported
     function to its ctypes argument types (every one returns an int status)."""
@@ -164,6 +170,15 @@ class CKernel:
         self._lib: ctypes.CDLL | None = None
         self._tried = False
         self._lock = threading.Lock()
+        self._variants: dict[str, CKernel] = {}
+
+    def variant(self, name: str) -> "CKernel":
+        """This source built with :data:`VARIANTS` ``[name]`` added to the flags (tests)."""
+        if name == "native":
+            return self
+        if name not in self._variants:
+            self._variants[name] = CKernel(self.source.name, self.functions, (*self.extra_flags, *VARIANTS[name]))
+        return self._variants[name]
 
     def load(self) -> ctypes.CDLL | None:
         """The loaded library, building it the first time; None if it cannot be built here."""
