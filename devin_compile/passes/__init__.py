@@ -9,6 +9,7 @@ from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .compile_decode import CompileDecode
 from .fuse_attention_inputs import FuseAttentionInputs
+from .fuse_moe_experts import FuseMoEExperts
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
@@ -29,6 +30,6 @@ def default_passes(config: OptimizeConfig, info=None, offload_roles: set[str] = 
     return build_passes(PipelineInputs(config, frozenset(offload_roles), quant))
 
 
-__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
+__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseMoEExperts", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
            "InsertKVPrune", "OffloadEmbeddings", "PrepackExperts", "PrepackLinear", "SplitPhases", "UpcastLinear",
            "PASS_TABLE", "PassSpec", "PipelineInputs", "build_passes", "default_passes"]

@@ -23,6 +23,7 @@ from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .compile_decode import CompileDecode
 from .fuse_attention_inputs import FuseAttentionInputs
+from .fuse_moe_experts import FuseMoEExperts
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
@@ -104,6 +105,8 @@ PASS_TABLE: tuple[PassSpec, ...] = (
     PassSpec(OffloadEmbeddings, "placement", When(lambda i: bool(i.offload_roles), "offload_layers="),
              build=lambda i: OffloadEmbeddings(set(i.offload_roles))),
     PassSpec(PrepackLinear, "linear_kernels", ("prepack_linear",)),
+    # before prepack_experts: the expert blocks it fuses leave no grouped GEMMs to prepack
+    PassSpec(FuseMoEExperts, "linear_kernels", ("fuse_moe_experts",)),
     PassSpec(PrepackExperts, "linear_kernels", ("prepack_linear",)),  # MoE experts are linears too
     PassSpec(UpcastLinear, "linear_kernels", ("upcast_linear",)),
     PassSpec(Cleanup, "cleanup"),
