@@ -14,7 +14,7 @@ transformers' ``grouped_mm_experts_forward`` computes (the slots summed in order
 
 Kernels: the Python kernel (:func:`moe_experts_reference`, the oracle: unpacks each selected
 expert and runs HF's math with torch ops, any device and dtype); on CPU for float32 a C++ kernel
-(``backends/native/cpu_moe_experts_op.cpp`` + ``cpu_moe_experts.c``) that reads each selected
+(``backends/native/cpu_moe_experts_op.cpp`` + ``cpu_packed_gemm.c``) that reads each selected
 expert's weights once per call for all of its rows. Values equal the reference up to float32
 summation order.
 """

@@ -1,6 +1,6 @@
 // The CPU kernel of devin::moe_experts (float32): HF's routed experts in one call.
 //
-// Built and loaded by backends/fused/cpu_moe_experts_op.py, linked with cpu_moe_experts.c. Steps:
+// Built and loaded by backends/fused/cpu_moe_experts_op.py, linked with cpu_packed_gemm.c. Steps:
 //   1. counting sort of the (token, slot) pairs by expert (stable: pair order within an expert);
 //      ids outside [0, E) select no expert and contribute 0 (HF's histc drops them the same way);
 //   2. devin_moe_gate_up: each selected expert's gate/up weights read once, for all its rows;
