@@ -103,6 +103,8 @@ def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Expert
             and is_call(gather.args[1][0], aten.floor_divide.default)):
         raise _NoMatch("gate/up input is not a gather of token rows index(x, [perm // k])")
     x = gather.args[0]
+    if getattr(fake_value(x), "ndim", 0) != 2:
+        raise _NoMatch("the gathered rows are not a [T, H] tensor")
     perm, k = gather.args[1][0].args
     sort = _item(perm, 1)
     if not is_call(sort, aten.sort.default) or len(sort.args) != 1:
@@ -150,11 +152,14 @@ def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Expert
     weights = _flat(sorted_w.args[0], "the routing weights")
     unsort = _only_user(scale, "the weighted expert output")
     inverse = unsort.args[1][0] if is_call(unsort, aten.index.Tensor) and len(unsort.args[1]) == 1 else None
-    if not (is_call(inverse, aten.index_put_.default) and list(inverse.args[1]) == [perm]):
+    if not (is_call(inverse, aten.index_put_.default) and list(inverse.args[1]) == [perm]
+            and is_call(inverse.args[0], aten.empty_like.default) and inverse.args[0].args[0] is perm
+            and is_call(inverse.args[2], aten.arange.default, aten.arange.start)):
         raise _NoMatch("weighted rows are not put back in token order by the inverse permutation")
     view = _only_user(unsort, "the unsorted rows")
     out = _only_user(view, "the [T, k, H] view") if is_call(view, aten.view.default, aten.reshape.default) else None
-    if not (is_call(out, aten.sum.dim_IntList) and list(out.args[1]) == [1]):
+    if not (is_call(out, aten.sum.dim_IntList) and list(out.args[1]) == [1]
+            and tuple(getattr(fake_value(view), "shape", ())[1:]) == (k, hidden)):
         raise _NoMatch("the k slots are not summed by view(T, k, H).sum(1)")
     if fake_value(weights) is None or tuple(fake_value(weights).shape[1:]) != (k,):
         raise _NoMatch("routing weights are not [T, k]")
