@@ -215,11 +215,19 @@ def test_declined_experts_say_why_and_stay_correct(overrides, reason):
 
 
 @needs_moe_kernel
-def test_lm_head_packed_in_both_graphs():
+def test_linears_packed_in_both_graphs():
+    """pack_linears: the logits linear everywhere, the rest with AVX-512; the 4-expert routers
+    (N = 4, not a multiple of 16) stay with prepack_linear, saying so."""
     model = _model(*MOE_FAMILIES["mixtral"])
     opt = optimize(model, num_kv_blocks=16)
+    record = next(r for r in opt.pass_report.records if r.name == "pack_linears")
+    layers = model.config.num_hidden_layers
+    want = 1 + 2 * layers if packed_op.serves_many_rows() else 1  # lm_head (+ fused qkv and o_proj)
+    assert record.matches == 2 * want, record.note
+    if packed_op.serves_many_rows():
+        assert "layers.0.mlp.gate.weight: weight (4, 64)" in record.note
     for phase, targets in _targets(opt).items():
-        assert targets.count(torch.ops.devin.packed_linear.default) == 1, phase
+        assert targets.count(torch.ops.devin.packed_linear.default) == want, phase
 
 
 # --------------------------------------------------------------------------- grouped_linear / prepack_experts

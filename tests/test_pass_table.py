@@ -14,7 +14,7 @@ from devin_compile.capture import ModelInfo
 from devin_compile.config import OptimizeConfig
 from devin_compile.passes import (AssignPrecision, AttentionToPaged, Cleanup, CompileDecode, FuseAttentionInputs,
                                   FuseMoEExperts, FuseProjections, FuseRMSNorm, FuseRotary, FuseSiluMul, InsertKVPrune,
-                                  OffloadEmbeddings, PackLMHead, PrepackExperts, PrepackLinear, SplitPhases, UpcastLinear,
+                                  OffloadEmbeddings, PackLinears, PrepackExperts, PrepackLinear, SplitPhases, UpcastLinear,
                                   default_passes)
 from devin_compile.passes.table import PASS_TABLE, STAGES, table_markdown
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
@@ -42,8 +42,8 @@ def _if_chain(config, offload_roles=frozenset(), quant=None) -> list:
         passes.append(InsertKVPrune())
     if offload_roles:
         passes.append(OffloadEmbeddings(offload_roles))
-    if config.pack_lm_head:
-        passes.append(PackLMHead())
+    if config.pack_linears:
+        passes.append(PackLinears())
     if config.prepack_linear:
         passes.append(PrepackLinear())
     if config.fuse_moe_experts:

@@ -6,7 +6,7 @@ Schema::
 
 x [..., K]; weight [N/16, K, 16] (:func:`pack_linear` of a [N, K] linear weight: block j, row k
 holds columns 16j..16j+15); returns ``linear(x, W, bias)`` [..., N]. Meant for few rows (a decode
-step's, the logits rows of a step): its CPU kernel (``backends/native/cpu_packed_linear_op.cpp`` +
+step's, the logits rows of a step; with AVX-512 as fast as oneDNN up to 512 rows): its CPU kernel (``backends/native/cpu_packed_linear_op.cpp`` +
 ``cpu_packed_gemm.c``, float32) streams the weight once for all rows, MR rows per register
 tile, where oneDNN's GEMV reads a large weight at about half the memory bandwidth here. The
 Python kernel (:func:`packed_linear_reference`: unpack, ``F.linear``) serves every other device,
@@ -54,6 +54,12 @@ def load_cpu_kernel() -> bool:
     """Register the C++ CPU kernel (built the first time, then cached); False where it cannot be
     built, and the Python kernel then serves every call."""
     return cpu_packed_linear_op.load()
+
+
+def serves_many_rows() -> bool:
+    """Whether the CPU kernel is as fast as oneDNN's prepacked GEMM at prefill row counts too (its
+    register tile holds 8 rows: AVX-512), not only at a few rows."""
+    return cpu_packed_linear_op.tile_rows() >= 8
 
 
 def cpu_kernel_declines(weight: torch.Tensor) -> str | None:

@@ -16,7 +16,7 @@ from .fuse_rotary import FuseRotary
 from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
-from .pack_lm_head import PackLMHead
+from .pack_linears import PackLinears
 from .prepack_experts import PrepackExperts
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
@@ -32,5 +32,5 @@ def default_passes(config: OptimizeConfig, info=None, offload_roles: set[str] = 
 
 
 __all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseMoEExperts", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
-           "InsertKVPrune", "OffloadEmbeddings", "PackLMHead", "PrepackExperts", "PrepackLinear", "SplitPhases", "UpcastLinear",
+           "InsertKVPrune", "OffloadEmbeddings", "PackLinears", "PrepackExperts", "PrepackLinear", "SplitPhases", "UpcastLinear",
            "PASS_TABLE", "PassSpec", "PipelineInputs", "build_passes", "default_passes"]

@@ -30,7 +30,7 @@ from .fuse_rotary import FuseRotary
 from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
-from .pack_lm_head import PackLMHead
+from .pack_linears import PackLinears
 from .prepack_experts import PrepackExperts
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
@@ -105,7 +105,7 @@ PASS_TABLE: tuple[PassSpec, ...] = (
     PassSpec(InsertKVPrune, "phases", When(lambda i: i.config.kv_prune is not None, "kv_prune=")),
     PassSpec(OffloadEmbeddings, "placement", When(lambda i: bool(i.offload_roles), "offload_layers="),
              build=lambda i: OffloadEmbeddings(set(i.offload_roles))),
-    PassSpec(PackLMHead, "linear_kernels", ("pack_lm_head",)),  # before prepack_linear takes the head
+    PassSpec(PackLinears, "linear_kernels", ("pack_linears",)),  # before prepack_linear takes the rest
     PassSpec(PrepackLinear, "linear_kernels", ("prepack_linear",)),
     # before prepack_experts: the expert blocks it fuses leave no grouped GEMMs to prepack
     PassSpec(FuseMoEExperts, "linear_kernels", ("fuse_moe_experts",)),
