@@ -123,8 +123,10 @@ def test_pack_experts_refuses_unaligned_sizes():
 @pytest.mark.skipif(not packed_op.load_cpu_kernel(), reason="no C/C++ compiler for the packed linear kernel")
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(0, 19), n=st.sampled_from([16, 48, 256]), k=st.sampled_from([2, 30, 64]),
-       bias=st.booleans(), lead=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_packed_linear_equals_reference(rows, n, k, bias, lead, seed):
+       bias=st.booleans(), lead=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_packed_linear_equals_reference(rows, n, k, bias, lead, threads, seed):
+    """Row counts across the register tile; a row's result does not depend on the other rows."""
+    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(seed)
     w, b = torch.randn(n, k, generator=g), (torch.randn(n, generator=g) if bias else None)
     x = torch.randn(rows, k, generator=g)
@@ -134,6 +136,8 @@ def test_packed_linear_equals_reference(rows, n, k, bias, lead, seed):
     assert torch.equal(packed_op.unpack_linear(packed), w)
     got = torch.ops.devin.packed_linear(x, packed, b)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    if rows:
+        assert torch.equal(torch.ops.devin.packed_linear(x[..., -1:, :], packed, b), got[..., -1:, :])
 
 
 # --------------------------------------------------------------------------- the pass, per family
