@@ -4,8 +4,9 @@
 
 Model (random weights, seed 0; Mixtral's shape ratios at a size a 2-core CPU runs in seconds):
 ``MixtralConfig(hidden_size=512, intermediate_size=1792, num_hidden_layers=4, num_attention_heads=8,
-num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)`` (about 95M
-parameters, 8 experts top-2 as Mixtral 8x7B, GQA 4:1, intermediate = 3.5 x hidden).
+num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)`` (123M parameters,
+91M of them outside the embedding and lm_head; 8 experts top-2 as Mixtral 8x7B, GQA 4:1, intermediate =
+3.5 x hidden).
 
 For batch 1 and batch 16 (prompts of ``--prompt-len`` random tokens), each side generates
 ``--new-tokens`` greedy tokens (EOS ignored); decode tok/s = batch x (new tokens - 1) / (time of

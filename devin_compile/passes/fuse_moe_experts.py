@@ -52,6 +52,7 @@ class _Experts:
     gate_up: torch.Tensor
     down: torch.Tensor
     out: torch.fx.Node  # the slot sum the op replaces
+    inverse: torch.fx.Node  # index_put_ into a fresh buffer: DCE keeps in-place ops, so it is erased here
 
 
 class _NoMatch(Exception):
@@ -163,7 +164,7 @@ def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Expert
         raise _NoMatch("the k slots are not summed by view(T, k, H).sum(1)")
     if fake_value(weights) is None or tuple(fake_value(weights).shape[1:]) != (k,):
         raise _NoMatch("routing weights are not [T, k]")
-    return _Experts(x, ids, weights, w_gu, w_d, out)
+    return _Experts(x, ids, weights, w_gu, w_d, out, inverse)
 
 
 def _users_through_casts(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -172,6 +173,14 @@ def _users_through_casts(node: torch.fx.Node) -> list[torch.fx.Node]:
     for u in node.users:
         out.extend(_users_through_casts(u) if _uncast(u) is node and u is not node else [u])
     return out
+
+
+def _dead_chain(out: torch.fx.Node, inverse: torch.fx.Node) -> list[torch.fx.Node]:
+    """The replaced chain from the slot sum back to the inverse permutation, users first: once the
+    sum is replaced nothing reads them, and the in-place ``index_put_`` (which DCE keeps) only
+    writes its own ``empty_like`` buffer."""
+    view = out.args[0]
+    return [out, view, view.args[0], inverse]  # sum(view(index(scaled, [inverse])))
 
 
 def _layer_name(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
@@ -231,6 +240,9 @@ class FuseMoEExperts(Pass):
                 new = graph.call_function(torch.ops.devin.moe_experts.default, (m.x, m.ids, m.weights, *attrs))
                 new.meta = dict(m.out.meta)
             m.out.replace_all_uses_with(new)
+            for dead in _dead_chain(m.out, m.inverse):
+                if not dead.users:
+                    graph.erase_node(dead)
             fused += 1
         eliminate_dead_code(gm)
         note = f"{fused} MoE expert blocks fused; {node_delta(gm, before)}"
