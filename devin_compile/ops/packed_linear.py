@@ -2,10 +2,10 @@
 
 Schema::
 
-    devin::packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor
+    devin::packed_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor
 
-x [..., K]; weight [N/16, K, 16] (:func:`pack_linear` of a [N, K] linear weight: block j, row k
-holds columns 16j..16j+15); returns ``linear(x, W, bias)`` [..., N]. Meant for few rows (a decode
+x [..., K]; weight [⌈N/16⌉, K, 16] (:func:`pack_linear` of a [N, K] linear weight: block j, row k
+holds columns 16j..16j+15, zeros past N); returns ``linear(x, W, bias)`` [..., N], N = ``out_features``. Meant for few rows (a decode
 step's, the logits rows of a step; with AVX-512 as fast as oneDNN up to 512 rows): its CPU kernel (``backends/native/cpu_packed_linear_op.cpp`` +
 ``cpu_packed_gemm.c``, float32) streams the weight once for all rows, MR rows per register
 tile, where oneDNN's GEMV reads a large weight at about half the memory bandwidth here. The
@@ -19,35 +19,37 @@ import torch
 from ..backends.fused import cpu_packed_linear_op
 
 _lib = torch.library.Library("devin", "FRAGMENT")
-_lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
 
 BLOCK = 16
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] → [N/16, K, 16]; N must be a multiple of 16 and K even."""
+    """[N, K] → [⌈N/16⌉, K, 16], N padded with zero rows to whole blocks; K must be even."""
     n, k = weight.shape
-    if n % BLOCK or k % 2:
-        raise ValueError(f"devin::packed_linear packs [N, K] weights with N a multiple of {BLOCK} and K even; "
-                         f"got {tuple(weight.shape)}")
-    return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+    if k % 2:
+        raise ValueError(f"devin::packed_linear packs [N, K] weights with K even; got {tuple(weight.shape)}")
+    nb = -(-n // BLOCK)
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, nb * BLOCK - n))
+    return padded.reshape(nb, BLOCK, k).transpose(1, 2).contiguous()
 
 
-def unpack_linear(weight: torch.Tensor) -> torch.Tensor:
+def unpack_linear(weight: torch.Tensor, out_features: int) -> torch.Tensor:
     nb, k, _ = weight.shape
-    return weight.transpose(1, 2).reshape(nb * BLOCK, k)
+    return weight.transpose(1, 2).reshape(nb * BLOCK, k)[:out_features]
 
 
-def packed_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, unpack_linear(weight), bias)
+def packed_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            out_features: int) -> torch.Tensor:
+    return torch.nn.functional.linear(x, unpack_linear(weight, out_features), bias)
 
 
 _lib.impl("packed_linear", packed_linear_reference, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("devin::packed_linear", lib=_lib)
-def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0] * BLOCK))
+def _(x, weight, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def load_cpu_kernel() -> bool:
@@ -66,6 +68,6 @@ def cpu_kernel_declines(weight: torch.Tensor) -> str | None:
     """Why the C++ kernel would not serve this [N, K] weight (None: it would)."""
     if weight.dtype != torch.float32:
         return f"the CPU kernel computes float32 only, not {weight.dtype}"
-    if weight.shape[0] % BLOCK or weight.shape[1] % 2:
-        return f"weight {tuple(weight.shape)}: N not a multiple of {BLOCK} or K odd"
+    if weight.shape[1] % 2:
+        return f"weight {tuple(weight.shape)}: K odd"
     return None

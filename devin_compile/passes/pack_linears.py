@@ -2,7 +2,7 @@
 
 Pattern → replacement::
 
-    linear(x, W[N, K][, b])  →  devin.packed_linear(x, pack_linear(W), b)     # W packed as [N/16, K, 16]
+    linear(x, W[N, K][, b])  →  devin.packed_linear(x, pack_linear(W), b, N)   # W packed as [⌈N/16⌉, K, 16]
 
 Which linears: the logits linear (the one whose output reaches the graph output with no other
 linear between) on any CPU: both graphs compute it only at ``logits_indices``, so it always runs
@@ -16,7 +16,7 @@ row); with the 2-row AVX2 tile those stay for ``prepack_linear``.
 Invariant: outputs equal up to float32 summation order, and a row's result does not depend on
 the other rows of the step; packed weights are shared by the prefill and decode graphs and
 replace the dense ones (a tied embedding keeps its dense weight). Declines (reason in the
-report): weights other than float32 CPU parameters, N not a multiple of 16 or K odd. Skipped off
+report): weights other than float32 CPU parameters, K odd. Skipped off
 CPU, without a C/C++ compiler, and in the decode graph under ``compile_decode`` (Inductor).
 """
 from __future__ import annotations
@@ -71,7 +71,8 @@ class PackLinears(Pass):
             with graph.inserting_before(node):
                 a = graph.get_attr(attr)
                 a.meta["val"] = None
-                new = graph.call_function(torch.ops.devin.packed_linear.default, (node.args[0], a, bias))
+                new = graph.call_function(torch.ops.devin.packed_linear.default,
+                                          (node.args[0], a, bias, int(w.shape[0])))
                 new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)

@@ -1,5 +1,6 @@
 // The CPU kernel of devin::packed_linear (float32): y = x @ Wᵀ (+ bias) over a weight packed as
-// [N/16][K][16] (cpu_packed_gemm.c's dense layout), streamed once for all rows of x. Built and
+// [ceil(N/16)][K][16] (cpu_packed_gemm.c's dense layout, zero columns past N), streamed once for all
+// rows of x; a padded N is computed whole and the first N columns copied out. Built and
 // loaded by backends/fused/cpu_packed_linear_op.py. Calls outside its preconditions (another
 // dtype, another layout) are redispatched to the op's Python kernel (CompositeExplicitAutograd).
 #include <ATen/Parallel.h>
@@ -15,16 +16,19 @@ extern "C" int devin_packed_linear(const float *x, int64_t x_stride, int64_t m, 
 
 namespace {
 
-using Signature = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &);
+using Signature = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &, int64_t);
 
-at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
+                             int64_t out_features) {
     const auto f32 = c10::ScalarType::Float;
     const bool fits = x.scalar_type() == f32 && x.dim() >= 1 && weight.scalar_type() == f32 && weight.dim() == 3 &&
                       weight.is_contiguous() && weight.size(2) == 16 && x.size(-1) == weight.size(1) &&
-                      weight.size(1) % 2 == 0 && (!bias.has_value() || bias->scalar_type() == f32);
+                      weight.size(1) % 2 == 0 && out_features > (weight.size(0) - 1) * 16 &&
+                      out_features <= weight.size(0) * 16 && (!bias.has_value() || bias->scalar_type() == f32);
     if (!fits) {
         static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("devin::packed_linear", "").typed<Signature>();
-        return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), x, weight, bias);
+        return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), x, weight, bias,
+                             out_features);
     }
     const int64_t k = weight.size(1), n = weight.size(0) * 16;
     const at::Tensor xc = x.contiguous();
@@ -37,6 +41,7 @@ at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &weight, cons
                                            out.data_ptr<float>(), n, at::get_num_threads());
         TORCH_CHECK(rc == 0, "devin::packed_linear: the kernel rejected a weight of ", weight.sizes());
     }
+    if (out_features != n) out = out.narrow(-1, 0, out_features).contiguous();
     if (bias.has_value()) out.add_(*bias);
     return out;
 }
