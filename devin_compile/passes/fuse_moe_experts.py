@@ -196,6 +196,8 @@ class FuseMoEExperts(Pass):
         info = ctx.info
         if info is not None and info.device.type != "cpu":
             return f"model is on {info.device.type}, not CPU (the op's reference kernel is no faster there)"
+        if info is not None and info.dtype != torch.float32:
+            return f"the CPU kernel computes float32; {info.dtype} experts are prepack_experts'"
         target = _fallback_op()
         if target is None or not any(is_call(n, target) for gm in program.graphs.values() for n in gm.graph.nodes):
             return "no MoE expert GEMMs (transformers.grouped_mm_fallback) in the graph"

@@ -40,6 +40,8 @@ class PackLinears(Pass):
     def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
         if ctx.info is not None and ctx.info.device.type != "cpu":
             return f"model is on {ctx.info.device.type}, not CPU"
+        if ctx.info is not None and ctx.info.dtype != torch.float32:
+            return f"the kernel computes float32; {ctx.info.dtype} linears are prepack_linear's"
         if not packed_op.load_cpu_kernel():
             return "the C++ kernel of devin::packed_linear cannot be built here (no C/C++ compiler)"
         return None
