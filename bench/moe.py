@@ -4,15 +4,17 @@
 
 Model (random weights, seed 0; Mixtral's shape ratios at a size a 2-core CPU runs in seconds):
 ``MixtralConfig(hidden_size=512, intermediate_size=1792, num_hidden_layers=4, num_attention_heads=8,
-num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)`` (about 95M
-parameters, 8 experts top-2 as Mixtral 8x7B, GQA 4:1, intermediate = 3.5 x hidden).
+num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)`` (123M parameters,
+91M of them outside the embedding and lm_head; 8 experts top-2 as Mixtral 8x7B, GQA 4:1, intermediate =
+3.5 x hidden).
 
 For batch 1 and batch 16 (prompts of ``--prompt-len`` random tokens), each side generates
 ``--new-tokens`` greedy tokens (EOS ignored); decode tok/s = batch x (new tokens - 1) / (time of
 the whole generate - time of a 1-token generate), i.e. prefill excluded on both sides. HF eager:
 ``model.generate`` with its KV cache (batch of equal-length prompts, no padding) and the model's
 default experts implementation; devin-compile: ``optimize(model)`` on the default CPU backend.
-Medians of ``--repeats`` runs. Writes bench/results/moe.json (moe-<dtype>.json for other dtypes).
+Medians of ``--repeats`` runs; the two sides' runs alternate (HF full, devin full, HF 1-token,
+devin 1-token, per repeat), so a burst of load from other jobs on a shared machine hits both. Writes bench/results/moe.json (moe-<dtype>.json for other dtypes).
 """
 from __future__ import annotations
 
@@ -45,13 +47,10 @@ def _cpu_name() -> str:
         return platform.processor() or "unknown"
 
 
-def _median_time(fn, repeats: int) -> float:
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -92,9 +91,14 @@ def main() -> None:
 
         hf(2), ours(2)  # warm-up
         row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": n}
-        for name, fn in (("hf_eager", hf), ("devin", ours)):
-            full = _median_time(lambda: fn(n), args.repeats)
-            first = _median_time(lambda: fn(1), args.repeats)
+        sides = (("hf_eager", hf), ("devin", ours))
+        times = {(name, k): [] for name, _ in sides for k in (n, 1)}
+        for _ in range(args.repeats):  # the two sides take turns, so load from other jobs hits both alike
+            for k in (n, 1):
+                for name, fn in sides:
+                    times[name, k].append(_time(lambda: fn(k)))
+        for name, _ in sides:
+            full, first = statistics.median(times[name, n]), statistics.median(times[name, 1])
             row[f"{name}_decode_tok_s"] = batch * (n - 1) / max(full - first, 1e-9)
         row["speedup"] = row["devin_decode_tok_s"] / row["hf_eager_decode_tok_s"]
         same = [list(r) for r in hf(8)[:, args.prompt_len:].tolist()] == ours(8)

@@ -283,6 +283,10 @@ class OptimizeConfig:
     fuse_projections: bool = True
     fuse_silu_mul: bool = True
     prepack_linear: bool = True
+    # CPU float32: linears → devin::packed_linear (the logits linear; all of them with AVX-512).
+    pack_linears: bool = True
+    # CPU float32: HF's routed MoE experts → one devin::moe_experts (each selected expert read once a step).
+    fuse_moe_experts: bool = True
     # CPU bf16/fp16 without native oneDNN kernels: linears of 8+ rows computed in float32.
     upcast_linear: bool = True
     split_phases: bool = True

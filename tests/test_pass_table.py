@@ -13,8 +13,8 @@ import devin_compile as dc
 from devin_compile.capture import ModelInfo
 from devin_compile.config import OptimizeConfig
 from devin_compile.passes import (AssignPrecision, AttentionToPaged, Cleanup, CompileDecode, FuseAttentionInputs,
-                                  FuseProjections, FuseRMSNorm, FuseRotary, FuseSiluMul, InsertKVPrune,
-                                  OffloadEmbeddings, PrepackExperts, PrepackLinear, SplitPhases, UpcastLinear,
+                                  FuseMoEExperts, FuseProjections, FuseRMSNorm, FuseRotary, FuseSiluMul, InsertKVPrune,
+                                  OffloadEmbeddings, PackLinears, PrepackExperts, PrepackLinear, SplitPhases, UpcastLinear,
                                   default_passes)
 from devin_compile.passes.table import PASS_TABLE, STAGES, table_markdown
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
@@ -42,8 +42,13 @@ def _if_chain(config, offload_roles=frozenset(), quant=None) -> list:
         passes.append(InsertKVPrune())
     if offload_roles:
         passes.append(OffloadEmbeddings(offload_roles))
+    if config.pack_linears:
+        passes.append(PackLinears())
     if config.prepack_linear:
         passes.append(PrepackLinear())
+    if config.fuse_moe_experts:
+        passes.append(FuseMoEExperts())
+    if config.prepack_linear:
         passes.append(PrepackExperts())
     if config.upcast_linear:
         passes.append(UpcastLinear())

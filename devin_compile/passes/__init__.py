@@ -9,12 +9,14 @@ from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .compile_decode import CompileDecode
 from .fuse_attention_inputs import FuseAttentionInputs
+from .fuse_moe_experts import FuseMoEExperts
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
 from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
+from .pack_linears import PackLinears
 from .prepack_experts import PrepackExperts
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
@@ -29,6 +31,6 @@ def default_passes(config: OptimizeConfig, info=None, offload_roles: set[str] = 
     return build_passes(PipelineInputs(config, frozenset(offload_roles), quant))
 
 
-__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
-           "InsertKVPrune", "OffloadEmbeddings", "PrepackExperts", "PrepackLinear", "SplitPhases", "UpcastLinear",
+__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseMoEExperts", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
+           "InsertKVPrune", "OffloadEmbeddings", "PackLinears", "PrepackExperts", "PrepackLinear", "SplitPhases", "UpcastLinear",
            "PASS_TABLE", "PassSpec", "PipelineInputs", "build_passes", "default_passes"]

@@ -11,7 +11,9 @@ expert, one ``mm`` per expert over a transposed view of the expert's weight. The
 runs the same per-expert GEMMs through oneDNN on weights re-laid out once
 (``mkldnn._reorder_linear_weight``, batch hint 4: a decode step gives each expert a few rows),
 1.3-2.4x faster per expert GEMM here at 2-64 rows (fp32, one thread). Values equal to fp32
-rounding. Enabled with ``prepack_linear`` (experts are linears too); skipped off CPU or without
+rounding. Runs after :mod:`.fuse_moe_experts`, which takes float32 expert blocks whole; this pass
+serves the ones it declines (and all of them with it off). Enabled with ``prepack_linear``
+(experts are linears too); skipped off CPU or without
 oneDNN for the dtype, and in the decode graph under ``compile_decode``. Packed copies are
 shared by the prefill and decode graphs; the dense expert weights stay only where still read.
 """

@@ -23,12 +23,14 @@ from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .compile_decode import CompileDecode
 from .fuse_attention_inputs import FuseAttentionInputs
+from .fuse_moe_experts import FuseMoEExperts
 from .fuse_projections import FuseProjections
 from .fuse_rms_norm import FuseRMSNorm
 from .fuse_rotary import FuseRotary
 from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
+from .pack_linears import PackLinears
 from .prepack_experts import PrepackExperts
 from .prepack_linear import PrepackLinear
 from .split_phases import SplitPhases
@@ -103,7 +105,10 @@ PASS_TABLE: tuple[PassSpec, ...] = (
     PassSpec(InsertKVPrune, "phases", When(lambda i: i.config.kv_prune is not None, "kv_prune=")),
     PassSpec(OffloadEmbeddings, "placement", When(lambda i: bool(i.offload_roles), "offload_layers="),
              build=lambda i: OffloadEmbeddings(set(i.offload_roles))),
+    PassSpec(PackLinears, "linear_kernels", ("pack_linears",)),  # before prepack_linear takes the rest
     PassSpec(PrepackLinear, "linear_kernels", ("prepack_linear",)),
+    # before prepack_experts: the expert blocks it fuses leave no grouped GEMMs to prepack
+    PassSpec(FuseMoEExperts, "linear_kernels", ("fuse_moe_experts",)),
     PassSpec(PrepackExperts, "linear_kernels", ("prepack_linear",)),  # MoE experts are linears too
     PassSpec(UpcastLinear, "linear_kernels", ("upcast_linear",)),
     PassSpec(Cleanup, "cleanup"),

@@ -1,0 +1,253 @@
+"""fuse_moe_experts (CPU, float32): HF's routed-experts subgraph → one ``devin::moe_experts``.
+
+Pattern → replacement (transformers' ``grouped_mm_experts_forward`` as exported on CPU, the
+experts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, …; ``ids``/``w`` are the router's
+top-k indices and weights [T, k], ``x`` the MoE block's rows [T, H])::
+
+    ids_g, perm = sort(reshape(ids, [-1]));  xs = index(x, [perm // k]);  ws = index(reshape(w, [-1]), [perm])
+    offs = cumsum(histc(float(ids_g), E, 0, E-1), dtype=int32)
+    g, u = chunk(grouped_mm_fallback(xs, transpose(W_gate_up), offs), 2, -1)        # W_gate_up [E, 2F, H]
+    y = grouped_mm_fallback(silu(g) * u, transpose(W_down), offs) * unsqueeze(ws, -1) # W_down [E, H, F]
+    out = sum(view(index(y, [inverse(perm)]), [T, k, H]), [1])
+    →  out = devin.moe_experts(x, ids, w, packed(W_gate_up), packed(W_down))
+
+About 20 dispatched ops and two Python-level expert loops per layer become one call whose CPU
+kernel reads each selected expert's weights once per step (at batch 1 only the top-k experts').
+The router (softmax / sigmoid, top-k, ``norm_topk_prob``, DeepSeek's group-limited choice) and
+Qwen2-MoE's shared expert and its sigmoid gate are left as the model wrote them: the op starts
+from the router's ``ids`` and ``w``, so every family's routing stays exact.
+
+Invariants: the same values as the HF subgraph up to float32 summation order (the activation
+and the slot sum are the same aten kernels); the packed weights replace the dense ones and are
+shared by the prefill and decode graphs. Declines, with the reason per layer in the report
+(those experts stay for ``prepack_experts``): another activation than SiLU, expert biases or a
+post-expert norm (the chain differs), hidden/intermediate sizes not multiples of 16, a dtype
+other than float32. Skipped off CPU, without a C/C++ compiler, and in the decode graph under
+``compile_decode`` (left to Inductor, as ``prepack_experts`` does).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..graph_utils import counted_nodes, fake_value, is_call, node_delta
+from ..ops import moe_experts as moe_op  # registers devin::moe_experts
+from ..pipeline import Pass, PassContext, PassResult, Program
+from .dead_code import eliminate_dead_code
+from .fuse_projections import _param
+from .prepack_experts import _fallback_op
+
+aten = torch.ops.aten
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+@dataclass
+class _Experts:
+    x: torch.fx.Node
+    ids: torch.fx.Node
+    weights: torch.fx.Node
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    out: torch.fx.Node  # the slot sum the op replaces
+    inverse: torch.fx.Node  # index_put_ into a fresh buffer: DCE keeps in-place ops, so it is erased here
+
+
+class _NoMatch(Exception):
+    """Why a grouped gate/up GEMM is not the head of HF's experts chain (said in the report)."""
+
+
+def _uncast(node):
+    """Skip value-preserving casts (``to`` the dtype the value already has)."""
+    while is_call(node, *_CASTS) and getattr(fake_value(node), "dtype", None) == \
+            getattr(fake_value(node.args[0]), "dtype", 1):
+        node = node.args[0]
+    return node
+
+
+def _item(node, index: int):
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem \
+            and node.args[1] == index:
+        return node.args[0]
+    return None
+
+
+def _only_user(node: torch.fx.Node, what: str) -> torch.fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        raise _NoMatch(f"{what} has {len(users)} users")
+    return users[0]
+
+
+def _flat(node, what: str) -> torch.fx.Node:
+    """``reshape(t, [-1])`` / ``view(t, [-1])`` → t."""
+    if not (is_call(node, aten.reshape.default, aten.view.default) and list(node.args[1]) == [-1]):
+        raise _NoMatch(f"{what} is not a flattened [T, k] tensor")
+    return node.args[0]
+
+
+def _expert_weight(gm, node, what: str) -> torch.Tensor:
+    if not (is_call(node, aten.transpose.int) and sorted(a % 3 for a in node.args[1:3]) == [1, 2]):
+        raise _NoMatch(f"{what} weight is not transpose(W[E, out, in]) (transposed expert layout)")
+    w = _param(gm, node.args[0])
+    if w is None or w.dim() != 3:
+        raise _NoMatch(f"{what} weight is not a 3-D parameter")
+    return w
+
+
+def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Experts:
+    """The whole experts chain from its first grouped GEMM, or :class:`_NoMatch` saying where it differs."""
+    gather = _uncast(gate_up.args[0])
+    if not (is_call(gather, aten.index.Tensor) and len(gather.args[1]) == 1
+            and is_call(gather.args[1][0], aten.floor_divide.default)):
+        raise _NoMatch("gate/up input is not a gather of token rows index(x, [perm // k])")
+    x = gather.args[0]
+    if getattr(fake_value(x), "ndim", 0) != 2:
+        raise _NoMatch("the gathered rows are not a [T, H] tensor")
+    perm, k = gather.args[1][0].args
+    sort = _item(perm, 1)
+    if not is_call(sort, aten.sort.default) or len(sort.args) != 1:
+        raise _NoMatch("rows are not sorted by expert id")
+    ids = _flat(sort.args[0], "the expert ids")
+    w_gu = _expert_weight(gm, gate_up.args[1], "gate/up")
+    n_experts, f2, hidden = w_gu.shape
+    ids_val = fake_value(ids)
+    if ids_val is None or ids_val.dim() != 2 or not isinstance(k, int) or ids_val.shape[1] != k:
+        raise _NoMatch("expert ids are not [T, k]")
+    offs = gate_up.args[2]
+    histc = offs.args[0] if is_call(offs, aten.cumsum.default) else None
+    counted = histc.args[0] if is_call(histc, aten.histc.default) else None
+    counted = counted.args[0] if is_call(counted, *_CASTS) else counted  # histc counts float ids on CPU
+    if not (_item(counted, 0) is sort
+            and list(histc.args[1:4]) == [n_experts, 0, n_experts - 1]):
+        raise _NoMatch(f"expert offsets are not cumsum(histc(sorted ids, {n_experts}, 0, {n_experts - 1}))")
+
+    chunk = _only_user(gate_up, "the gate/up GEMM")
+    if not (is_call(chunk, aten.chunk.default) and chunk.args[1] == 2 and chunk.args[2] in (-1, 1)):
+        raise _NoMatch(f"gate/up output goes to {chunk.target}, not chunk(…, 2, -1) (no gate, or an expert bias)")
+    halves = {i: [u for u in chunk.users if _item(u, i) is chunk] for i in (0, 1)}
+    if any(len(h) != 1 for h in halves.values()):
+        raise _NoMatch("gate/up halves are not read once each")
+    gate, up = halves[0][0], halves[1][0]
+    act = _only_user(gate, "the gate half")
+    if not is_call(act, aten.silu.default):
+        raise _NoMatch(f"expert activation is {act.target}, not SiLU")
+    mul = _only_user(act, "the activation")
+    if not (is_call(mul, aten.mul.Tensor) and set(mul.args) == {act, up} and len(up.users) == 1):
+        raise _NoMatch("activation is not multiplied by the up half")
+    down = next((u for u in _users_through_casts(mul) if is_call(u, grouped)), None)
+    if down is None or down.args[2] is not offs or len(_users_through_casts(mul)) != 1:
+        raise _NoMatch("act(gate)·up does not feed one grouped down GEMM over the same offsets")
+    w_d = _expert_weight(gm, down.args[1], "down")
+    if tuple(w_d.shape) != (n_experts, hidden, f2 // 2) or f2 % 2:
+        raise _NoMatch(f"down weight {tuple(w_d.shape)} does not match gate/up {tuple(w_gu.shape)}")
+
+    scale = _only_user(down, "the down GEMM")
+    other = next((a for a in scale.args if a is not down), None) if is_call(scale, aten.mul.Tensor) else None
+    sorted_w = other.args[0] if is_call(other, aten.unsqueeze.default) and other.args[1] in (-1, 1) else None
+    if not (is_call(sorted_w, aten.index.Tensor) and list(sorted_w.args[1]) == [perm]):
+        raise _NoMatch(f"down output goes to {scale.target}, not a product with the sorted routing weights "
+                       "(expert bias or post-expert norm)")
+    weights = _flat(sorted_w.args[0], "the routing weights")
+    unsort = _only_user(scale, "the weighted expert output")
+    inverse = unsort.args[1][0] if is_call(unsort, aten.index.Tensor) and len(unsort.args[1]) == 1 else None
+    if not (is_call(inverse, aten.index_put_.default) and list(inverse.args[1]) == [perm]
+            and is_call(inverse.args[0], aten.empty_like.default) and inverse.args[0].args[0] is perm
+            and is_call(inverse.args[2], aten.arange.default, aten.arange.start)):
+        raise _NoMatch("weighted rows are not put back in token order by the inverse permutation")
+    view = _only_user(unsort, "the unsorted rows")
+    out = _only_user(view, "the [T, k, H] view") if is_call(view, aten.view.default, aten.reshape.default) else None
+    if not (is_call(out, aten.sum.dim_IntList) and list(out.args[1]) == [1]
+            and tuple(getattr(fake_value(view), "shape", ())[1:]) == (k, hidden)):
+        raise _NoMatch("the k slots are not summed by view(T, k, H).sum(1)")
+    if fake_value(weights) is None or tuple(fake_value(weights).shape[1:]) != (k,):
+        raise _NoMatch("routing weights are not [T, k]")
+    return _Experts(x, ids, weights, w_gu, w_d, out, inverse)
+
+
+def _users_through_casts(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of ``node``, looking through value-preserving casts."""
+    out = []
+    for u in node.users:
+        out.extend(_users_through_casts(u) if _uncast(u) is node and u is not node else [u])
+    return out
+
+
+def _dead_chain(out: torch.fx.Node, inverse: torch.fx.Node) -> list[torch.fx.Node]:
+    """The replaced chain from the slot sum back to the inverse permutation, users first: once the
+    sum is replaced nothing reads them, and the in-place ``index_put_`` (which DCE keeps) only
+    writes its own ``empty_like`` buffer."""
+    view = out.args[0]
+    return [out, view, view.args[0], inverse]  # sum(view(index(scaled, [inverse])))
+
+
+def _layer_name(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    """The expert weight's attribute name (it carries the layer), for the report."""
+    wt = node.args[1]
+    return str(wt.args[0].target) if is_call(wt, aten.transpose.int) and wt.args[0].op == "get_attr" else node.name
+
+
+class FuseMoEExperts(Pass):
+    name = "fuse_moe_experts"
+
+    def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
+        info = ctx.info
+        if info is not None and info.device.type != "cpu":
+            return f"model is on {info.device.type}, not CPU (the op's reference kernel is no faster there)"
+        if info is not None and info.dtype != torch.float32:
+            return f"the CPU kernel computes float32; {info.dtype} experts are prepack_experts'"
+        target = _fallback_op()
+        if target is None or not any(is_call(n, target) for gm in program.graphs.values() for n in gm.graph.nodes):
+            return "no MoE expert GEMMs (transformers.grouped_mm_fallback) in the graph"
+        if not moe_op.load_cpu_kernel():
+            return "the C++ kernel of devin::moe_experts cannot be built here (no C/C++ compiler)"
+        return None
+
+    def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
+        if phase == "decode" and ctx.config.compile_decode:
+            return PassResult(note="decode graph left to Inductor (compile_decode)")
+        grouped = _fallback_op()
+        graph = gm.graph
+        before = counted_nodes(gm)
+        shared: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = ctx.extras.setdefault("moe_packed", {})
+        fused, declined = 0, []
+        heads = {}  # offsets node → the first grouped GEMM over them (an expert block's gate/up)
+        for node in graph.nodes:
+            if is_call(node, grouped):
+                heads.setdefault(node.args[2], node)
+        for node in heads.values():
+            try:
+                m = _match(gm, node, grouped)
+            except _NoMatch as e:
+                declined.append(f"{_layer_name(gm, node)}: {e}")
+                continue
+            e, f2, h = m.gate_up.shape
+            reason = moe_op.cpu_kernel_declines(m.gate_up.dtype, h, f2 // 2)
+            if reason is not None:
+                declined.append(f"{_layer_name(gm, node)}: {reason}")
+                continue
+            key = (id(m.gate_up), id(m.down))
+            if key not in shared:
+                shared[key] = moe_op.pack_experts(m.gate_up, m.down)
+            names = []
+            for suffix, t in zip(("gate_up", "down"), shared[key]):
+                names.append(f"moe_experts_{fused}_{suffix}")
+                gm.register_buffer(names[-1], t, persistent=False)
+            with graph.inserting_before(m.out):
+                attrs = [graph.get_attr(n) for n in names]
+                for a in attrs:
+                    a.meta["val"] = None
+                new = graph.call_function(torch.ops.devin.moe_experts.default, (m.x, m.ids, m.weights, *attrs))
+                new.meta = dict(m.out.meta)
+            m.out.replace_all_uses_with(new)
+            for dead in _dead_chain(m.out, m.inverse):
+                if not dead.users:
+                    graph.erase_node(dead)
+            fused += 1
+        eliminate_dead_code(gm)
+        note = f"{fused} MoE expert blocks fused; {node_delta(gm, before)}"
+        if declined:
+            note += "; declined: " + "; ".join(declined)
+        return PassResult(matches=fused, note=note)
