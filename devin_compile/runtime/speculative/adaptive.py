@@ -2,7 +2,8 @@
 
 Rule (``adaptive=True``): after a verify step that accepted every proposal the length grows by
 one (up to the configured ``num_tokens``); after one that accepted fewer than half it shrinks by
-one (down to 1). When the mean acceptance of the last ``WINDOW`` steps drops below
+one (down to 1). When the mean acceptance of the last ``WINDOW`` steps (at least
+``MIN_OBSERVED`` of them: a proposer that misses from the start pauses early) drops below
 ``MIN_RATE`` the request stops proposing for a back-off of steps (1, 2, 4, ... up to
 ``MAX_BACKOFF``; halved again after a step that accepts), then probes once more. The window
 is kept across the pause, so a probe that misses again pauses at once for twice as long: a
@@ -20,6 +21,7 @@ from typing import Any
 from .stats import SpecMetrics
 
 WINDOW = 4
+MIN_OBSERVED = 2
 MIN_RATE = 0.25
 MAX_BACKOFF = 32
 
@@ -59,7 +61,7 @@ class SpecState:
             self.num_tokens = max(self.num_tokens - 1, 1)
         if accepted:
             self.backoff = max(1, self.backoff // 2)
-        if len(self.window) == WINDOW and sum(self.window) / WINDOW < MIN_RATE:
+        if len(self.window) >= MIN_OBSERVED and sum(self.window) / len(self.window) < MIN_RATE:
             self.cooldown = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
         self.metrics.num_tokens = self.num_tokens
