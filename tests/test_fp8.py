@@ -261,6 +261,42 @@ def _fp8_nodes(opt):
             if n.op == "call_function" and n.target == torch.ops.devin.fp8_linear.default]
 
 
+def test_loss_estimate_ignores_tokens_without_loss_gradient():
+    """The loss estimate weights tokens by their output gradient: blowing up a down_proj's input at
+    each chunk's last position (whose logits no loss reads, so its gradient is exactly 0) leaves
+    every INT4 and FP8 estimate unchanged, though it dominates the plain Hessian. With ``H`` the
+    estimate priced such rounding along a no-gradient direction (the attention-sink token of
+    real models) as a loss increase: SmolLM2's all-FP8 at 2.3x its token-wise value."""
+    model = _tiny(1)
+    gen = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(3, 256, (48,), generator=gen) for _ in range(3)]
+    name = "model.layers.0.mlp.down_proj"
+
+    def stats_and_result():
+        stats = collect_stats(model, chunks, progress=False)
+        return stats, quantize_model(model, stats, {"method": "rtn", "group_size": 64, "tiers": "int4,fp8",
+                                                   "progress": False})
+
+    plain, ref = stats_and_result()
+
+    def sink(_m, args):
+        x = args[0].clone()
+        x[:, -1] = x[:, -1] * 1000
+        return (x,)
+
+    handle = dict(model.named_modules())[name].register_forward_pre_hook(sink)
+    try:
+        blown, res = stats_and_result()
+    finally:
+        handle.remove()
+    key = blown.linear_input[name]
+    assert blown.hessian[key].trace() > 1000 * plain.hessian[key].trace()
+    torch.testing.assert_close(blown.grad_hessian[key], plain.grad_hessian[key], rtol=1e-4, atol=1e-9)
+    for n, ql in res.linears.items():
+        assert ql.loss_delta == pytest.approx(ref.linears[n].loss_delta, rel=1e-3), n
+        assert ql.fp8_loss_delta == pytest.approx(ref.linears[n].fp8_loss_delta, rel=1e-3), n
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_three_tier_model_equals_eager_simulation(tiny, tmp_path, dtype):
     model, res = tiny

@@ -452,7 +452,7 @@ def test_sensitivity_is_estimated_loss_increase(tiny, tiny_results):
         w = lins[name].weight.detach().float()
         ws = w * (ql.in_scale[None] if ql.in_scale is not None else 1)
         ws = ws * (ql.row_scale[:, None] if ql.row_scale is not None else 1)
-        h = stats.hessian[stats.linear_input[name]]
+        h = stats.grad_hessian[stats.linear_input[name]]  # the gradient-weighted Hessian
         if ql.in_scale is not None:
             h = h / (ql.in_scale[:, None] * ql.in_scale[None])
         f = stats.fisher[name] / (ql.row_scale.pow(2) if ql.row_scale is not None else 1)
@@ -472,6 +472,8 @@ def test_calibration_round_trips_with_and_without_gradients(tiny, tmp_path):
     again = CalibrationStats.load(tmp_path / "c", model)
     assert set(again.fisher) == set(stats.fisher)
     assert all(torch.equal(again.fisher[n], stats.fisher[n]) for n in stats.fisher)
+    assert set(again.grad_hessian) == set(stats.hessian)
+    assert all(torch.equal(again.grad_hessian[k], stats.grad_hessian[k]) for k in stats.hessian)
     # a calibration from before output gradients (no "fisher" key) still loads
     meta = json.loads((tmp_path / "c" / "calib.json").read_text())
     del meta["fisher"]

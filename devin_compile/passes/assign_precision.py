@@ -18,8 +18,8 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    the model-dtype one) and no dense copy: it only sees the rows that need logits.
 2. Sensitivity of a graph linear (:func:`~devin_compile.quant.quantize.sensitivity`): the
    estimated increase of the next-token loss when it alone is quantized,
-   ``Σ ½ Σ_j fisher_j (ΔW H ΔWᵀ)_jj`` over its parts (``fisher``: the calibration's squared
-   output gradients), so layers whose errors the rest of the network amplifies rank higher;
+   ``Σ ½ Σ_j fisher_j (ΔW H_g ΔWᵀ)_jj`` over its parts (``fisher``: the calibration's squared
+   output gradients; ``H_g``: its gradient-weighted input Hessian), so layers whose errors the rest of the network amplifies rank higher;
    without output-gradient statistics (``fisher=False``, older calibrations), the relative
    output error ``Σ tr(ΔW H ΔWᵀ) / Σ tr(W H Wᵀ)``. The note says which.
 3. The target picks each linear's precision (:mod:`devin_compile.quant.precision`): ``all``;

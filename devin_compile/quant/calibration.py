@@ -21,6 +21,14 @@ another) and of the output head when it is a linear (for ``lm_head=True`` quanti
   ``Δℓ ≈ ½ Σ_j fisher_j · (ΔW H ΔWᵀ)_jj`` (second order, treating gradient and error as
   independent), which is what mixed precision ranks linears by. ``fisher=False`` skips the
   backward pass; older calibration directories have no ``fisher`` and still load.
+- ``grad_hessian`` [K, K] per input, with ``fisher``: ``Σ_t w_t x_t x_tᵀ / Σ_t w_t``, each token
+  weighted by ``w_t = Σ ‖∂ℓ/∂y_t‖²`` over the linears reading that input. The loss estimate uses
+  it in place of ``hessian``: ``½ Σ_j F_j (ΔW H_g ΔWᵀ)_jj`` is exact when the gradient squares
+  factor as ``F_j · (token weight)``, while the plain ``H`` assumes gradient and error independent
+  across tokens, which a token with huge activations and almost no gradient breaks (the
+  attention-sink first token feeding some ``down_proj``: plain rounding like FP8 errs along it,
+  GPTQ fits it away; on SmolLM2 the plain-``H`` estimate priced all-FP8 at 2.3x the token-wise
+  value and one linear at 12x).
 
 Saved as ``stats.safetensors`` + ``calib.json`` (no pickle).
 """
@@ -121,6 +129,7 @@ class CalibrationStats:
     data: str = ""
     extra: dict = field(default_factory=dict)
     fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name → [N] mean (∂ℓ/∂y)²
+    grad_hessian: dict[str, torch.Tensor] = field(default_factory=dict)  # input key → [K, K] (module doc)
 
     def save(self, out_dir: str | os.PathLike) -> None:
         from safetensors.torch import save_file
@@ -130,11 +139,13 @@ class CalibrationStats:
         tensors = {f"{k}.hessian": v.contiguous() for k, v in self.hessian.items()}
         tensors.update({f"{k}.absmean": v.contiguous() for k, v in self.absmean.items()})
         tensors.update({f"{k}.fisher": v.contiguous() for k, v in self.fisher.items()})
+        tensors.update({f"{k}.grad_hessian": v.contiguous() for k, v in self.grad_hessian.items()})
         save_file(tensors, str(out / STATS_FILE))
         meta = {"format": "devin-compile-calibration", "version": FORMAT_VERSION, "inputs": sorted(self.hessian),
                 "linear_input": self.linear_input, "producer": self.producer, "tokens": self.tokens,
                 "num_chunks": self.num_chunks, "chunk_len": self.chunk_len, "fingerprint": self.fingerprint,
-                "seconds": self.seconds, "data": self.data, "fisher": sorted(self.fisher)}
+                "seconds": self.seconds, "data": self.data, "fisher": sorted(self.fisher),
+                "grad_hessian": sorted(self.grad_hessian)}
         (out / META_FILE).write_text(json.dumps(meta, indent=1))
 
     @classmethod
@@ -166,9 +177,14 @@ class CalibrationStats:
             if f"{name}.fisher" not in tensors:
                 raise ValueError(f"calibration directory {p} is missing the output-gradient statistics of {name!r}")
             fisher[name] = tensors[f"{name}.fisher"]
+        grad_hessian = {}
+        for k in meta.get("grad_hessian", []):
+            if f"{k}.grad_hessian" not in tensors or k not in hessian:
+                raise ValueError(f"calibration directory {p} is missing the gradient-weighted statistics of input {k!r}")
+            grad_hessian[k] = tensors[f"{k}.grad_hessian"]
         stats = cls(hessian, absmean, meta["linear_input"], meta["producer"], meta["tokens"], meta["num_chunks"],
                     meta["chunk_len"], meta["fingerprint"], meta.get("seconds", 0.0), meta.get("data", ""),
-                    fisher=fisher)
+                    fisher=fisher, grad_hessian=grad_hessian)
         if model is not None:
             check_fingerprint(stats.fingerprint, model, f"calibration {p}")
             lins = quantizable_linears(model, lm_head=output_head(model) is not None)
@@ -219,6 +235,10 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
     live: dict[int, tuple[torch.Tensor, str]] = {}  # id(input tensor) → (tensor, key), this chunk only
     norm_out: dict[int, tuple[torch.Tensor, str]] = {}
     grad_sq: dict[str, torch.Tensor] = {}
+    chunk_x: dict[str, torch.Tensor] = {}  # input key → this chunk's [T, K] input (for grad_hessian)
+    token_w: dict[str, torch.Tensor] = {}  # input key → this chunk's [T] Σ ‖∂ℓ/∂y_t‖²
+    gh: dict[str, torch.Tensor] = {}
+    gh_w: dict[str, float] = {}
     tokens = 0
     grad_positions = 0
 
@@ -233,6 +253,8 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                 live[id(x)] = (x, key)
                 x2 = x.detach().reshape(-1, x.shape[-1]).float()
                 h = x2.t() @ x2
+                if fisher:
+                    chunk_x[key] = x2
                 a = x2.abs().sum(0)
                 if key in hessian:
                     hessian[key] += h
@@ -255,7 +277,10 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
 
     def grad_hook(name):
         def on_grad(g):
-            sq = g.detach().reshape(-1, g.shape[-1]).float().pow(2).sum(0)
+            g2 = g.detach().reshape(-1, g.shape[-1]).float().pow(2)
+            sq = g2.sum(0)
+            key = linear_input[name]
+            token_w[key] = token_w[key] + g2.sum(1) if key in token_w else g2.sum(1)
             if name in grad_sq:
                 grad_sq[name] += sq
             else:
@@ -291,6 +316,12 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                     loss = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:], reduction="sum")
                     torch.autograd.grad(loss, [start[0]])  # the hooks collect on the way
                     grad_positions += ids.shape[1] - 1
+                    for key, w in token_w.items():
+                        x2 = chunk_x[key]
+                        gh[key] = gh.get(key, 0) + x2.t() @ (x2 * w[:, None])
+                        gh_w[key] = gh_w.get(key, 0.0) + float(w.sum())
+                token_w.clear()
+                chunk_x.clear()
                 del out
                 start[0] = None
                 tokens += chunk.numel()
@@ -301,15 +332,19 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
             h.remove()
         live.clear()
         norm_out.clear()
+        token_w.clear()
+        chunk_x.clear()
     for k in hessian:
         hessian[k] = (hessian[k] / tokens).cpu()
         absmean[k] = (absmean[k] / tokens).cpu()
     missing = sorted(set(linears) - set(linear_input))
     if missing:
         raise ValueError(f"calibration: {len(missing)} linears never ran on the calibration text, e.g. {missing[:3]}")
-    fisher_stats = {}
+    fisher_stats, grad_hessian = {}, {}
     # all or nothing: a ranking that mixed loss estimates with missing ones would mean nothing
     if fisher and grad_positions and set(grad_sq) == set(linears):
         fisher_stats = {n: (grad_sq[n] / grad_positions).cpu() for n in linears}
+        grad_hessian = {k: (gh[k] / max(gh_w[k], 1e-30)).cpu() for k in hessian}
     return CalibrationStats(hessian, absmean, linear_input, producer, tokens, len(chunks), int(chunks[0].numel()),
-                            model_fingerprint(model), time.perf_counter() - t0, data, fisher=fisher_stats)
+                            model_fingerprint(model), time.perf_counter() - t0, data, fisher=fisher_stats,
+                            grad_hessian=grad_hessian)

@@ -7,8 +7,8 @@ bytes at most B, or F times their bytes in the model dtype), which pick a tier p
 ``tiers`` (``int4``, ``fp8``) and the model dtype by :func:`knapsack`.
 
 The model: each linear's choice adds its estimated loss increase when that linear alone is
-quantized to that tier (0 for the model dtype; ``½ Σ_j F_j (ΔW H ΔWᵀ)_jj`` for the tier's
-rounding ΔW, :mod:`.result`), and the increases add up (second order, errors of different
+quantized to that tier (0 for the model dtype; ``½ Σ_j F_j (ΔW H_g ΔWᵀ)_jj`` for the tier's
+rounding ΔW, ``H_g`` the gradient-weighted input Hessian of :mod:`.calibration`), and the increases add up (second order, errors of different
 linears independent). The budget then picks the mix of least total estimated loss that fits.
 """
 from __future__ import annotations

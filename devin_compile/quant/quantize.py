@@ -5,8 +5,9 @@ candidates: which ones end up INT4 is decided by the ``assign_precision`` pass f
 target) and returns a :class:`~.result.QuantResult`: per linear the logical INT4 weight
 (:mod:`devin_compile.backends.int4.format`), its output error ``tr(ΔW H ΔWᵀ)`` and signal
 ``tr(W H Wᵀ)`` on the calibration tokens (their ratio: the relative output error when that
-layer alone is quantized), its estimated loss increase ``½ Σ_j fisher_j (ΔW H ΔWᵀ)_jj`` when
-the calibration has output-gradient statistics (:mod:`.calibration`), and for AWQ the scales
+layer alone is quantized), its estimated loss increase ``½ Σ_j fisher_j (ΔW H_g ΔWᵀ)_jj`` when
+the calibration has output-gradient statistics (:mod:`.calibration`; ``H_g`` the
+gradient-weighted Hessian, ``H`` in calibrations made before it), and for AWQ the scales
 folded into norms and preceding linears. With ``tiers`` including ``fp8``, each linear also gets
 its FP8 weight (e4m3, per-row absmax scales: :mod:`devin_compile.backends.fp8.format`, RTN
 whatever the method) with the same error and loss statistics.
@@ -105,12 +106,14 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
     for i, (n, w) in enumerate(weights.items()):
         key = stats.linear_input[n]
         h = stats.hessian[key].float()
+        h_loss = stats.grad_hessian.get(key, h).float()  # the loss estimate's Hessian
         g, why = gsize[n]
         s_in, s_row = in_scale.get(n), row_scale.get(n)
         ws = w
         if s_in is not None:
             ws = ws * s_in[None, :]
             h = h / (s_in[:, None] * s_in[None, :])  # the input is x / s now
+            h_loss = h_loss / (s_in[:, None] * s_in[None, :])
         if s_row is not None:
             ws = ws * s_row[:, None]
         if cfg.method == "gptq":
@@ -122,18 +125,14 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
         else:
             q, sc, mn = fmt.rtn_quantize(ws, g)
         dw = fmt.dequantize(q, sc, mn, g) - ws
-        row_err = awq.output_error(dw, h)
-        err = float(row_err.sum())
+        err = float(awq.output_error(dw, h).sum())
         signal = float(awq.output_error(ws, h).sum())
-        loss_delta = None
-        fisher = stats.fisher.get(n)
-        if fisher is not None:
-            # the output rows were scaled by s_row, so their loss gradients by 1 / s_row
-            f = fisher.float() if s_row is None else fisher.float() / s_row.pow(2)
-            loss_delta = 0.5 * float((f * row_err).sum())
-        linears[n] = QLinear(q, sc, mn, g, why, err, signal, s_in, s_row, loss_delta)
+        f = stats.fisher.get(n)
+        if f is not None and s_row is not None:
+            f = f.float() / s_row.pow(2)  # the output rows were scaled by s_row, their loss gradients by 1 / s_row
+        linears[n] = QLinear(q, sc, mn, g, why, err, signal, s_in, s_row, _loss_delta(dw, h_loss, f))
         if "fp8" in cfg.tiers:
-            _add_fp8(linears[n], ws, h, None if fisher is None else f)
+            _add_fp8(linears[n], ws, h, h_loss, f)
         bar.update(i + 1, n)
     bar.__exit__()
     changed = sorted({why for _g, why in gsize.values() if why})
@@ -145,13 +144,19 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                        groups=[list(g) for g in groups.values()], head=head)
 
 
-def _add_fp8(ql: QLinear, ws: torch.Tensor, h: torch.Tensor, fisher: torch.Tensor | None) -> None:
+def _loss_delta(dw: torch.Tensor, h_loss: torch.Tensor, fisher: torch.Tensor | None) -> float | None:
+    """``½ Σ_j fisher_j (ΔW H_g ΔWᵀ)_jj``, the estimated loss increase of the rounding ``dw``."""
+    return None if fisher is None else 0.5 * float((fisher.float() * awq.output_error(dw, h_loss)).sum())
+
+
+def _add_fp8(ql: QLinear, ws: torch.Tensor, h: torch.Tensor, h_loss: torch.Tensor,
+             fisher: torch.Tensor | None) -> None:
     """The FP8 tier of one linear: e4m3 codes with per-row absmax scales of the weight the kernels
     see (``ws``, AWQ folds applied), and the same error statistics as INT4's for that rounding."""
     q8, s8 = fp8_fmt.quantize(ws)
-    row_err = awq.output_error(fp8_fmt.dequantize(q8, s8) - ws, h)
-    ql.fp8_q, ql.fp8_scale, ql.fp8_err = q8, s8, float(row_err.sum())
-    ql.fp8_loss_delta = None if fisher is None else 0.5 * float((fisher * row_err).sum())
+    dw = fp8_fmt.dequantize(q8, s8) - ws
+    ql.fp8_q, ql.fp8_scale, ql.fp8_err = q8, s8, float(awq.output_error(dw, h).sum())
+    ql.fp8_loss_delta = _loss_delta(dw, h_loss, fisher)
 
 
 def _config_dict(cfg: QuantConfig) -> dict:

@@ -23,7 +23,7 @@ class QLinear:
     signal: float  # tr(W H Wᵀ)
     in_scale: torch.Tensor | None = None  # AWQ: the quantized weight is W · diag(in_scale)
     row_scale: torch.Tensor | None = None  # AWQ: ... and diag(row_scale) · W (a fold from the next linear)
-    loss_delta: float | None = None  # ½ Σ_j fisher_j (ΔW H ΔWᵀ)_jj: estimated next-token loss increase (nats)
+    loss_delta: float | None = None  # ½ Σ_j fisher_j (ΔW H_g ΔWᵀ)_jj: estimated next-token loss increase (nats)
     # the FP8 tier (tiers including "fp8"): e4m3 codes and row scales of the same (AWQ-folded) weight,
     # and its output error and estimated loss increase, as err / loss_delta are for INT4
     fp8_q: torch.Tensor | None = None  # uint8 [N, K] (backends.fp8.format)
