@@ -2,6 +2,7 @@
 server tests: the tokenizer is read from the embedded GGUF (or its converted cache), so
 nothing is downloaded. ``tiny_chat_folder(path)`` saves model + tokenizer as an HF folder
 (for ``devin-compile serve --model``); ``tiny_chat_opt()`` optimizes it in-process.
+``running_server``, ``openai_client``, ``post`` and ``metrics`` talk to a server under test.
 
 The output head is set so that greedy decoding replays :data:`REPLAY` (each of its tokens
 predicts the next, cyclically): a prompt ending inside it continues with known multi-byte
@@ -9,7 +10,11 @@ text whose characters are split across byte-level tokens. Other tokens keep rand
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -60,3 +65,46 @@ def tiny_chat_opt(**options):
     from devin_compile import optimize
 
     return optimize(tiny_chat_model(), tokenizer=smollm2_tokenizer(), **options)
+
+
+@contextlib.contextmanager
+def running_server(opt, model_name: str, tracing=None):
+    """A :class:`~devin_compile.serve.app.Server` on 127.0.0.1 (an ephemeral port), ``.url`` set."""
+    from devin_compile.serve.app import Server
+    from devin_compile.serve.server import BackgroundServer
+
+    srv = Server(opt, model_name)
+    if tracing is not None:
+        srv.tracing = tracing
+    with BackgroundServer(srv) as bg:
+        srv.url = bg.url
+        yield srv
+
+
+def openai_client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def post(server, path: str, body, raw: bool = False):
+    """(status, headers, JSON body) of a POST; ``raw``: ``body`` is sent as given (bytes)."""
+    data = body if raw else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+def metrics(server) -> dict[str, float]:
+    """``/metrics`` as {sample name with labels: value}."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

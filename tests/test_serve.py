@@ -9,15 +9,12 @@ import asyncio
 import json
 import re
 import socket
-import urllib.error
 import urllib.request
 
 import pytest
-from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
+from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
-from devin_compile.serve.app import Server
-from devin_compile.serve.server import BackgroundServer
-from serve_model import REPLAY, tiny_chat_opt
+from serve_model import REPLAY, metrics, openai_client, post, running_server, tiny_chat_opt
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -58,36 +55,13 @@ def refs():
 
 @pytest.fixture(scope="module")
 def server(refs):
-    srv = Server(refs.opt, MODEL)
-    with BackgroundServer(srv) as bg:
-        srv.url = bg.url
+    with running_server(refs.opt, MODEL) as srv:
         yield srv
 
 
 @pytest.fixture
 def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
-def post(server, path: str, body, raw: bool = False):
-    data = body if raw else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.headers, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, json.loads(e.read())
-
-
-def metrics(server) -> dict[str, float]:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return openai_client(server)
 
 
 def requests_with(server, status: int) -> float:
@@ -378,11 +352,8 @@ def test_kv_tier_metrics_and_restore_through_the_server():
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    srv = Server(opt, MODEL)
-    srv.tracing = Tracing(provider)
-    with BackgroundServer(srv) as bg:
-        srv.url = bg.url
-        c = OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with running_server(opt, MODEL, tracing=Tracing(provider)) as srv:
+        c = openai_client(srv)
         first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
         c.completions.create(model=MODEL, prompt=filler, max_tokens=6, temperature=0)
         again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text

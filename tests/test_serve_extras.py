@@ -6,17 +6,11 @@ same greedy text, a bad value is a 400 naming it; the spec counters grow; step s
 of their request's span, in the client's trace."""
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 
 from devin_compile.runtime.sampling import SamplingParams
-from devin_compile.serve.app import Server
-from devin_compile.serve.server import BackgroundServer
-from serve_model import REPLAY, tiny_chat_opt
+from serve_model import REPLAY, metrics, openai_client, post, running_server, tiny_chat_opt
 
 MODEL = "tiny"
 PROMPT = "Tell me 日"  # continues with REPLAY: multi-byte characters split across tokens
@@ -24,22 +18,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 REPEAT = REPLAY * 2  # the n-gram proposer finds its continuation at once
 K = 3
 N = 24
-
-
-def _metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in lines if ln and not ln.startswith("#"))}
-
-
-def _post(url: str, path: str, body: dict):
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +38,13 @@ def refs(opt):
 
 @pytest.fixture(scope="module")
 def server(opt, refs):
-    srv = Server(opt, MODEL)
-    with BackgroundServer(srv) as bg:
-        srv.url = bg.url
+    with running_server(opt, MODEL) as srv:
         yield srv
 
 
 @pytest.fixture
 def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def _piece(server, t: int) -> str:
@@ -135,13 +111,13 @@ def test_chat_logprobs_equal_in_process(server, client, refs):
 
 # ---------------------------------------------------------------- speculative extra field, metrics
 def test_speculative_field_keeps_greedy_text_and_counts(server, client):
-    before = _metrics(server.url)
+    before = metrics(server)
     kw = dict(model=MODEL, prompt=REPEAT, max_tokens=30, temperature=0)
     texts = [client.completions.create(**kw, extra_body=extra).choices[0].text
              for extra in ({}, {"speculative": False}, {"speculative": True},
                            {"speculative": {"num_tokens": 2, "acceptance_threshold": 0.0, "adaptive": False}})]
     assert len(set(texts)) == 1 and texts[0]
-    after = _metrics(server.url)
+    after = metrics(server)
     drafted = after["devin_spec_draft_tokens_total"] - before["devin_spec_draft_tokens_total"]
     accepted = after["devin_spec_accepted_tokens_total"] - before["devin_spec_accepted_tokens_total"]
     assert drafted > 0 and 0 < accepted <= drafted
@@ -149,7 +125,7 @@ def test_speculative_field_keeps_greedy_text_and_counts(server, client):
 
 def test_bad_speculative_is_a_400_naming_it(server, client):
     for bad in ({"num_tokens": 0}, {"depth": 2}, "yes", 3):
-        code, err = _post(server.url, "/v1/completions", {"model": MODEL, "prompt": "x", "speculative": bad})
+        code, _, err = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "speculative": bad})
         assert code == 400 and err["error"]["param"] == "speculative", err
     with pytest.raises(BadRequestError, match="speculative"):
         client.completions.create(model=MODEL, prompt="x", extra_body={"speculative": {"acceptance_threshold": 2}})
@@ -158,9 +134,9 @@ def test_bad_speculative_is_a_400_naming_it(server, client):
     proposer = engine.spec.proposer
     engine.set_proposer(None)
     try:
-        code, err = _post(server.url, "/v1/completions", {"model": MODEL, "prompt": "x", "speculative": True})
+        code, _, err = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "speculative": True})
         assert code == 400 and err["error"]["param"] == "speculative"
-        assert _post(server.url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+        assert post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                       "speculative": False})[0] == 200
     finally:
         engine.set_proposer(proposer)

@@ -28,7 +28,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "cpu_kernels.h",)
+HEADERS = (HERE / "cpu_kernels.h", HERE / "cpu_torch_op.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
 
 
@@ -110,7 +110,7 @@ def build_torch_op(cpp: Path, c_source: Path | None, cc: str, cxx: str) -> Path:
         c_step = [[cc, *[f for f in FLAGS if f != "-shared"], f"-I{HERE}", "-c", "-o", *obj, str(c_source)]] if obj else []
         return [*c_step,
                 [cxx, "-O2", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17", abi,
-                 *(f"-I{p}" for p in include_paths()), "-o", out, str(cpp), *obj, f"-L{torch_lib}",
+                 f"-I{HERE}", *(f"-I{p}" for p in include_paths()), "-o", out, str(cpp), *obj, f"-L{torch_lib}",
                  "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]]
 
     sources = _texts(cpp, c_source) if c_source else _texts(cpp)

@@ -23,6 +23,7 @@
 
 #include <optional>
 #include <vector>
+#include "cpu_torch_op.h"
 
 extern "C" {
 int devin_paged_decode_attention(const void *q, int64_t q_row_stride, int64_t q_head_stride, const int64_t *q_rows,
@@ -42,15 +43,6 @@ int devin_paged_write_kv(const void *k_new, int64_t kn_row_stride, int64_t kn_he
 }
 
 namespace {
-
-int dtype_code(c10::ScalarType t) {
-    switch (t) {
-        case c10::ScalarType::Float: return 0;
-        case c10::ScalarType::BFloat16: return 1;
-        case c10::ScalarType::Half: return 2;
-        default: return -1;
-    }
-}
 
 // Why cpu_decode_layer cannot take these tensors, or nullptr when it can.
 const char *misfit(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &k_cache,

@@ -15,6 +15,7 @@
 
 #include <optional>
 #include <string_view>
+#include "cpu_torch_op.h"
 
 extern "C" int devin_fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *q,
                                 const float *scale, int n, void *out, int64_t out_stride, int num_threads);
@@ -24,15 +25,6 @@ namespace {
 using Signature = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t, c10::string_view,
                              const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t,
                              c10::string_view);
-
-int dtype_code(c10::ScalarType t) {
-    switch (t) {
-        case c10::ScalarType::Float: return 0;
-        case c10::ScalarType::BFloat16: return 1;
-        case c10::ScalarType::Half: return 2;
-        default: return -1;
-    }
-}
 
 at::Tensor fp8_linear_cpu(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scale,
                           int64_t out_features, c10::string_view kernel, const std::optional<at::Tensor> &bias,

@@ -15,6 +15,7 @@
 
 #include <optional>
 #include <string_view>
+#include "cpu_torch_op.h"
 
 extern "C" int devin_int4_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *qw,
                                  const float *sz, int n, int groups, int group_size, void *out, int64_t out_stride,
@@ -25,15 +26,6 @@ namespace {
 using Signature = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t, int64_t,
                              c10::string_view, const std::optional<at::Tensor> &, const std::optional<at::Tensor> &,
                              int64_t, c10::string_view);
-
-int dtype_code(c10::ScalarType t) {
-    switch (t) {
-        case c10::ScalarType::Float: return 0;
-        case c10::ScalarType::BFloat16: return 1;
-        case c10::ScalarType::Half: return 2;
-        default: return -1;
-    }
-}
 
 at::Tensor int4_linear_cpu(const at::Tensor &x, const at::Tensor &qweight, const at::Tensor &scales,
                            int64_t group_size, int64_t out_features, c10::string_view kernel,
