@@ -63,6 +63,11 @@ def add_arguments(p) -> None:
     r.add_argument("--no-clip", action="store_true", help="skip the clipping search (AWQ) / static clipped grid (GPTQ)")
     r.add_argument("--damp", type=float, default=None,
                    help="GPTQ dampening, a fraction of mean(diag H) (default 0.1)")
+    r.add_argument("--loss-weight", type=float, default=None,
+                   help="weight of the gradient-weighted Hessian in GPTQ's/AWQ's objective (default 2; 0: "
+                        "the activation Hessian alone)")
+    r.add_argument("--anchors", type=int, default=None,
+                   help="input channels per linear whose weights the INT4 grid keeps exact (default 3; 0: off)")
     r.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
     r.add_argument("--out", required=True, metavar="DIR",
@@ -155,7 +160,8 @@ def quantize(args) -> int:
         target = {"memory_fraction": args.memory_fraction}
     cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=target,
                       tiers=args.tiers, act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
-                      **({} if args.damp is None else {"damp": args.damp}))
+                      **{k: v for k, v in (("damp", args.damp), ("loss_weight", args.loss_weight),
+                                           ("anchors", args.anchors)) if v is not None})
     calib = Path(args.calib)
     if not (calib / META_FILE).is_file() or not (calib / STATS_FILE).is_file():
         raise FileNotFoundError(f"--calib {calib} is not a calibration directory (needs {META_FILE} and {STATS_FILE}; "

@@ -93,6 +93,12 @@ class QuantConfig:
     act_order: bool = True  # GPTQ: visit columns by decreasing Hessian diagonal (static groups)
     damp: float = 0.1  # GPTQ: dampening, a fraction of mean(diag H) (raised if Cholesky fails); see gptq.py
     clip: bool = True  # AWQ: clipping search; GPTQ: static groups on the clipping search's grid
+    # GPTQ/AWQ objective: H/mean diag H + loss_weight · H_g/mean diag H_g (H_g: the gradient-weighted input
+    # Hessian of calibration with output gradients; 0 or no H_g: H alone); see quantize.py
+    loss_weight: float = 2.0
+    # per linear, the groups of this many strongest input channels get a grid on which that channel's
+    # weight is exact (quant/anchor.py; 0: off)
+    anchors: int = 3
     calib_chunks: int = 16
     calib_len: int = 512
     # calibration text: a file, a folder or a list of them (default: the set shipped in the package)
@@ -124,6 +130,8 @@ class QuantConfig:
             raise ValueError(f"quantization data={self.data!r} must be a path (file or folder) or a non-empty "
                              "list of paths")
         number_in("damp", self.damp, 0, 1, lo_open=True, hi_open=True)
+        number_in("loss_weight", self.loss_weight, 0, 100)
+        int_at_least("anchors", self.anchors, 0)
         positive_int("calib_chunks", self.calib_chunks)
         int_at_least("calib_len", self.calib_len, 2)
 

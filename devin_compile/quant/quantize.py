@@ -11,6 +11,11 @@ gradient-weighted Hessian, ``H`` in calibrations made before it), and for AWQ th
 folded into norms and preceding linears. With ``tiers`` including ``fp8``, each linear also gets
 its FP8 weight (e4m3, per-row absmax scales: :mod:`devin_compile.backends.fp8.format`, RTN
 whatever the method) with the same error and loss statistics.
+
+What GPTQ and AWQ's searches minimise is :func:`objective_hessian` (the activation Hessian
+blended with the gradient-weighted one, ``loss_weight``), and their grids are anchored on each
+linear's strongest input channels (:mod:`.anchor`, ``anchors``): the two defaults that took
+GPTQ's held-out perplexity increase from +11.2% to about +7% on SmolLM2 (README).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Mapping
 import torch
 
 from . import awq, gptq
+from .anchor import anchor_outlier_channels
 from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
 from .calibration import CalibrationStats, model_fingerprint, output_head, quantizable_linears
@@ -81,7 +87,7 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
         search = Progress(progress, len(groups), "AWQ scale search")
         for gi, (key, names) in enumerate(groups.items()):
             search.update(gi, key)
-            h, a = stats.hessian[key].float(), stats.absmean[key]
+            h, a = objective_hessian(stats, key, cfg.loss_weight), stats.absmean[key]
             norm = stats.producer.get(key)
             src = None if norm is not None else _fold_source(names[0], lins) if len(names) == 1 else None
             if norm is None and src is None:
@@ -101,26 +107,34 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
             notes.append(f"AWQ: no preceding norm or linear to fold scales into for {len(unfolded)} linears "
                          f"(e.g. {unfolded[0]}): clipping search only")
 
+    if cfg.method != "rtn" and cfg.loss_weight > 0 and not stats.grad_hessian:
+        notes.append("objective: the activation Hessian alone (the calibration has no output-gradient statistics; "
+                     "re-run calibration with them to use loss_weight)")
     linears: dict[str, QLinear] = {}
     bar = Progress(progress, len(weights), f"{cfg.method.upper()} INT4 g{cfg.group_size}")
     for i, (n, w) in enumerate(weights.items()):
         key = stats.linear_input[n]
         h = stats.hessian[key].float()
         h_loss = stats.grad_hessian.get(key, h).float()  # the loss estimate's Hessian
+        h_obj = objective_hessian(stats, key, cfg.loss_weight)  # what GPTQ and the searches minimise
         g, why = gsize[n]
         s_in, s_row = in_scale.get(n), row_scale.get(n)
         ws = w
         if s_in is not None:
             ws = ws * s_in[None, :]
-            h = h / (s_in[:, None] * s_in[None, :])  # the input is x / s now
-            h_loss = h_loss / (s_in[:, None] * s_in[None, :])
+            outer = s_in[:, None] * s_in[None, :]  # the input is x / s now
+            h, h_loss, h_obj = h / outer, h_loss / outer, h_obj / outer
         if s_row is not None:
             ws = ws * s_row[:, None]
         if cfg.method == "gptq":
-            grid = awq.clip_search(ws, h, g) if cfg.clip else None
-            q, sc, mn, _info = gptq.gptq_quantize(ws, h, g, damp=cfg.damp, act_order=cfg.act_order, grid=grid)
+            grid = awq.clip_search(ws, h_obj, g) if cfg.clip else None
+            if cfg.anchors and (grid is not None or cfg.act_order):
+                if grid is None:
+                    grid = fmt.params_from_range(*fmt.group_minmax(ws, g))
+                grid = anchor_outlier_channels(ws, h_obj, *grid, g, cfg.anchors)
+            q, sc, mn, _info = gptq.gptq_quantize(ws, h_obj, g, damp=cfg.damp, act_order=cfg.act_order, grid=grid)
         elif cfg.method == "awq" and cfg.clip and not _is_qk(n):
-            sc, mn = awq.clip_search(ws, h, g)
+            sc, mn = anchor_outlier_channels(ws, h_obj, *awq.clip_search(ws, h_obj, g), g, cfg.anchors)
             q = fmt.quantize_with(ws, sc, mn, g)
         else:
             q, sc, mn = fmt.rtn_quantize(ws, g)
@@ -142,6 +156,24 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                        calib={"tokens": stats.tokens, "num_chunks": stats.num_chunks, "chunk_len": stats.chunk_len,
                               "data": stats.data, "seconds": stats.seconds}, notes=notes,
                        groups=[list(g) for g in groups.values()], head=head)
+
+
+def objective_hessian(stats: CalibrationStats, key: str, loss_weight: float) -> torch.Tensor:
+    """The quadratic form GPTQ and AWQ's searches minimise for input ``key``:
+    ``H / mean diag H + loss_weight · H_g / mean diag H_g``.
+
+    ``H`` (every calibration token alike) is the classic objective; ``H_g`` weights each token by
+    its output-gradient norm, i.e. by how much the loss cares about that token's output. Alone,
+    ``H`` spends the error budget on tokens the loss ignores; ``H_g`` alone rests on fewer
+    effective tokens and generalises worse (held-out ppl, SmolLM2 GPTQ g64, mean of three
+    held-out domains: H +11.2%, H_g +10.0%, the blend at weight 1 +8.9%, at 2 +8.6%; README).
+    The scale of either term does not matter to the minimisers (dampening is relative too), so
+    both are normalised to a unit mean diagonal."""
+    h = stats.hessian[key].float()
+    h_g = stats.grad_hessian.get(key)
+    if h_g is None or loss_weight == 0:
+        return h
+    return h / torch.diag(h).mean().clamp(min=1e-30) + loss_weight * (h_g.float() / torch.diag(h_g).mean().clamp(min=1e-30))
 
 
 def _loss_delta(dw: torch.Tensor, h_loss: torch.Tensor, fisher: torch.Tensor | None) -> float | None:
