@@ -30,25 +30,33 @@ def output_error(dw: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return ((dw @ h) * dw).sum(1)
 
 
-def rtn_error(w: torch.Tensor, h: torch.Tensor, group_size: int, s: torch.Tensor | None = None) -> torch.Tensor:
-    """Total output error of RTN on ``w · diag(s)`` measured in ``x``'s basis."""
+def rtn_error(w: torch.Tensor, h: torch.Tensor, group_size: int, s: torch.Tensor | None = None,
+              row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Total output error of RTN on ``w · diag(s)`` measured in ``x``'s basis (rows weighted by
+    ``row_weight`` when given)."""
     ws = w if s is None else w * s[None, :]
     q, sc, mn = fmt.rtn_quantize(ws, group_size)
     deq = fmt.dequantize(q, sc, mn, group_size)
     dw = deq - ws if s is None else deq / s[None, :] - w
-    return output_error(dw, h).sum()
+    err = output_error(dw, h)
+    return (err if row_weight is None else err * row_weight).sum()
 
 
 def search_scale(weights: list[torch.Tensor], h: torch.Tensor, absmean: torch.Tensor,
-                 group_size: int) -> tuple[torch.Tensor, float, float, float]:
-    """→ (s [K], best α, error at best α, error at α = 0 i.e. plain RTN)."""
+                 group_size: int, row_weights: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, float, float, float]:
+    """→ (s [K], best α, error at best α, error at α = 0 i.e. plain RTN).
+
+    ``row_weights`` (one [N] per weight, e.g. the output-gradient squares): the searched error is
+    ``Σ_i Σ_j r_ij (ΔW_i H ΔW_iᵀ)_jj``, the second-order loss estimate, so a linear the loss is
+    sensitive to (SmolLM2's v_proj next to q/k) weighs more in the scale the three share."""
     base = absmean.float().clamp(min=1e-5)
     best = (None, 0.0, float("inf"))
     rtn = None
+    rws = row_weights or [None] * len(weights)
     for a in ALPHA_GRID:
         s = base.pow(a)
         s = s / (s.max() * s.min()).sqrt()
-        err = float(sum(rtn_error(w, h, group_size, s) for w in weights))
+        err = float(sum(rtn_error(w, h, group_size, s, r) for w, r in zip(weights, rws)))
         if a == 0.0:
             rtn = err
         if err < best[2]:

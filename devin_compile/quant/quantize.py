@@ -93,7 +93,10 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
             if norm is None and src is None:
                 unfolded.append(names[0])
                 continue
-            s, _alpha, _e, _e0 = awq.search_scale([weights[n] for n in names], h, a, gsize[names[0]][0])
+            # rows weighted by their output-gradient squares (the loss estimate) when calibration has them
+            fis = [stats.fisher.get(n) for n in names] if cfg.loss_weight > 0 else []
+            rw = [f.float() for f in fis] if fis and all(f is not None for f in fis) else None
+            s, _alpha, _e, _e0 = awq.search_scale([weights[n] for n in names], h, a, gsize[names[0]][0], rw)
             for n in names:
                 in_scale[n] = s
             if norm is not None:
