@@ -408,6 +408,22 @@ def test_anchoring_lowers_gptq_and_awq_error_on_unseen_tokens():
     assert all(a < 0.97 and b < 0.95 for a, b in gains), gains  # measured: 0.89-0.94 / 0.87-0.90
 
 
+def test_awq_scale_search_follows_row_weights():
+    """The scale shared by two linears serves the one whose rows the loss weighs."""
+    k, g = 128, 32
+    x = _correlated_inputs(k, seed=3)
+    h = x.t() @ x / x.shape[0]
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randn(64, k, generator=gen), torch.randn(64, k, generator=gen)
+    b[:, : k // 8] *= 6  # b alone would take a different scale than a
+    a_scale = awq.search_scale([a], h, x.abs().mean(0), g)[0]
+    b_scale = awq.search_scale([b], h, x.abs().mean(0), g)[0]
+    assert not torch.equal(a_scale, b_scale)
+    ones, tiny_w = torch.ones(64), torch.full((64,), 1e-6)
+    assert torch.equal(awq.search_scale([a, b], h, x.abs().mean(0), g, [ones, tiny_w])[0], a_scale)
+    assert torch.equal(awq.search_scale([a, b], h, x.abs().mean(0), g, [tiny_w, ones])[0], b_scale)
+
+
 def test_objective_hessian_blends_normalised_terms(tiny):
     _model, stats = tiny
     key = next(iter(stats.hessian))

@@ -15,6 +15,10 @@ def test_bad_method_and_group_size_are_clear_errors(tmp_path, capsys):
     assert "group_size=100 is unsupported; valid: [32, 64, 128]" in capsys.readouterr().err
     assert main(["quantize", "run", "--calib", str(tmp_path), "--target", "half", "--out", str(tmp_path / "q")]) == 2
     assert "target 'half' is unknown" in capsys.readouterr().err
+    assert main(["quantize", "run", "--calib", str(tmp_path), "--anchors", "-1", "--out", str(tmp_path / "q")]) == 2
+    assert "anchors" in capsys.readouterr().err
+    assert main(["quantize", "run", "--calib", str(tmp_path), "--loss-weight", "-1", "--out", str(tmp_path / "q")]) == 2
+    assert "loss_weight" in capsys.readouterr().err
     assert main(["quantize", "calibrate", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "c")]) == 2
     assert "missing.txt does not exist" in capsys.readouterr().err
 
