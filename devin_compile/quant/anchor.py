@@ -17,7 +17,9 @@ multiplied by that activation on every token, so it dominates the linear's outpu
 error feedback can move only part of it onto correlated columns, and plain RTN none. Anchoring
 makes that column exact at no storage cost; the other weights of the group keep an error of at
 most half a step (their grid moves by less than half a step; a weight at the range's end may
-clamp by that much), which GPTQ then compensates as any other rounding error.
+clamp by that much), which GPTQ then compensates as any other rounding error. (GPTQ with act-order
+visits the strongest channel first, so that column is quantized as it is, exactly; a later anchor
+column has taken error feedback by its turn, so its grid is near, not on, its value.)
 Measured on held-out domains (bench/quant_domains.py, README): see the quantization section.
 
 Invariants: ``scale`` is unchanged; the anchor weight dequantizes to itself (up to float
