@@ -314,7 +314,7 @@ def test_three_tier_model_equals_eager_simulation(tiny, tmp_path, dtype):
     assert nodes and all(n.args[4] == k8.default_kernel(CPU) for n in nodes)
     int4, fp8 = _sets(table)
     sim = simulate(model, res, int4=int4, fp8=fp8)
-    ids = torch.randint(3, 256, (1, 40))  # above the FP8 kernel's row limit: the dense copies serve it
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(7))  # above the FP8 kernel's row limit: the dense copies serve it
     with torch.no_grad():
         ref = sim(ids).logits.float()
     out = opt(ids).logits.float()
@@ -328,8 +328,17 @@ def test_three_tier_model_equals_eager_simulation(tiny, tmp_path, dtype):
                             attention_mask=torch.ones(1, 12, dtype=torch.long))[0, 12:].tolist()
     if dtype == torch.float32:
         assert got == want
-    else:  # bf16 rounding order differs between the kernels and eager: the first tokens agree
-        assert got[:4] == want[:4]
+    else:
+        # bf16 rounding order differs between the kernels and eager, and a random tiny model has
+        # near-ties, so token-for-token equality depends on the CPU. Teacher-force the compiled
+        # model's own tokens through the simulation instead: each pick must be the simulation's
+        # argmax up to bf16 noise (a wrong kernel picks tokens far below it).
+        seq = torch.tensor([prompt + got])
+        with torch.no_grad():
+            steps = sim(seq).logits[0, len(prompt) - 1:-1].float()
+        picked = steps.gather(1, torch.tensor(got).unsqueeze(1)).squeeze(1)
+        gap = steps.max(dim=1).values - picked
+        assert gap.max().item() <= tol, (got, want, gap.tolist())
     model.float()
 
 
