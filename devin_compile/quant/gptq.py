@@ -7,7 +7,8 @@ dead input channels (``H_ii = 0``) get ``H_ii = 1`` and a zero weight column; da
 Cholesky factorisation succeeds (at most 6 tries, the last ``λ`` is reported); the upper
 Cholesky factor of ``H⁻¹`` drives the updates; columns are processed in blocks of
 ``block_size`` (128) with the lazy batch update of the rest of the matrix after each
-block. ``act_order=True`` visits columns by decreasing ``H_ii``; groups are then fixed up
+block, on ``Wᵀ`` so that a column is a contiguous row (the same codes as the unblocked
+column-by-column loop, tested; SmolLM2's 210 linears in ~40 s on 2 cores, from 68 s). ``act_order=True`` visits columns by decreasing ``H_ii``; groups are then fixed up
 front from the original weights ("static groups", so a group's columns share one grid
 whatever the visiting order); without it each group's grid is fitted when its first
 column is reached, on the already-updated weights.
@@ -29,16 +30,18 @@ from ..backends.int4 import format as fmt
 
 
 def _damped_inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+    """(upper ``U`` with ``Uᵀ U = (H + λI)⁻¹``, ``λ``). Computed as ``J L⁻¹ J`` from the lower Cholesky
+    factor ``L`` of the reversed ``J (H + λI) J`` (``J`` the reversal): one factorisation and one
+    triangular solve, a third of the time of inverting ``H`` and factorising the inverse."""
     k = h.shape[0]
     lam = damp * float(torch.diag(h).mean())
     eye = torch.eye(k, dtype=h.dtype)
+    rev = h.flip(0, 1)
     for _ in range(6):
-        try:
-            lower = torch.linalg.cholesky(h + lam * eye)
-            hinv = torch.cholesky_inverse(lower)
-            return torch.linalg.cholesky(hinv, upper=True), lam
-        except torch.linalg.LinAlgError:
-            lam *= 10.0
+        lower, info = torch.linalg.cholesky_ex(rev + lam * eye)
+        if int(info) == 0:
+            return torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1), lam
+        lam *= 10.0
     raise ValueError(f"GPTQ: the Hessian is not positive definite even with dampening {lam:.3g}; "
                      "calibrate on more (or more varied) text")
 
@@ -65,38 +68,47 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: fl
         minv.copy_(m0)
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
+        H = H[perm][:, perm]
     else:
         perm = torch.arange(k)
-    W = W[:, perm]
-    H = H[perm][:, perm]
     U, lam = _damped_inverse_cholesky(H, damp)
     U = U.float()
-    Q = torch.zeros(n, k, dtype=torch.uint8)
+    # Work on Wᵀ [K, N]: each column of W is a contiguous row, so a column's quantization and its
+    # rank-1 error update of the block's later columns (``addr_``) stream through memory.
+    Wt = (W.t()[perm] if act_order else W.t()).contiguous()
+    Qt = torch.empty(k, n)
+    scale_t, minv_t = scale.t().contiguous(), minv.t().contiguous()  # [G, N]: a group's grid is a row
     group_of = torch.div(perm, group_size, rounding_mode="floor").tolist()
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        W1 = W[:, i1:i2].clone()
-        Err = torch.zeros_like(W1)
+        W1 = Wt[i1:i2].clone()
+        Err = torch.empty(i2 - i1, n)
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             g = group_of[col]
             if not static and col % group_size == 0:
                 # fit this group's grid on the current (error-updated) weights of its columns
-                if i + group_size <= i2 - i1:
-                    cols = W1[:, i:i + group_size]
-                else:  # a group that crosses the block's end (block_size not a multiple of it)
-                    cols = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :group_size]
-                lo, hi = cols.amin(1), cols.amax(1)
-                s, m = fmt.params_from_range(lo, hi)
-                scale[:, g], minv[:, g] = s, m
-            s, m = scale[:, g], minv[:, g]
-            x = W1[:, i]
-            q = ((x - m) / s).round_().clamp_(0, fmt.QMAX)
-            Q[:, col] = q.to(torch.uint8)
-            err = (x - (q * s + m)) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            Err[:, i] = err
-        W[:, i2:] -= Err @ U[i1:i2, i2:]
+                cols = W1[i:i + group_size]
+                if cols.shape[0] < group_size:  # a group that crosses the block's end: its later
+                    # columns with this block's pending updates applied
+                    r = group_size - cols.shape[0]
+                    tail = Wt[i2:i2 + r] - U[i1:col, i2:i2 + r].t() @ Err[:i]
+                    cols = torch.cat([cols, tail])
+                s, m = fmt.params_from_range(cols.amin(0), cols.amax(0))
+                scale_t[g], minv_t[g] = s, m
+            s, m = scale_t[g], minv_t[g]
+            x = W1[i]
+            q = Qt[col]
+            torch.sub(x, m, out=q).div_(s).round_().clamp_(0, fmt.QMAX)
+            err = Err[i]
+            torch.addcmul(m, q, s, out=err)
+            err.sub_(x).div_(-U1[i, i])
+            if i + 1 < i2 - i1:
+                W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1.0)
+        if i2 < k:
+            Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err, alpha=-1.0)
+    Q = Qt.t().to(torch.uint8)
+    scale, minv = scale_t.t().contiguous(), minv_t.t().contiguous()
     inv = torch.argsort(perm)
     return Q[:, inv].contiguous(), scale, minv, {"damp": lam, "act_order": act_order, "static_groups": static}
