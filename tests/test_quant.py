@@ -33,7 +33,8 @@ import devin_compile.ops  # noqa: F401  (registers the devin:: ops; importing th
 from devin_compile.backends.int4 import kernels
 from devin_compile.quant import artifact, awq, gptq
 from devin_compile.backends.int4 import format as fmt
-from devin_compile.quant.calibration import CalibrationStats, collect_stats, token_chunks
+from devin_compile.quant.calibration import (CalibrationStats, add_gram, collect_stats, symmetric_from_upper,
+                                             token_chunks)
 from devin_compile.backends.int4.format import choose_group_size
 from devin_compile.quant import QuantConfig, parse_target, quantize_model, simulate
 from devin_compile.quant.anchor import anchor_outlier_channels
@@ -340,6 +341,22 @@ def _correlated_inputs(k, tokens=512, seed=0):
     x = torch.randn(tokens, k, generator=gen) @ mix
     x[:, : k // 8] *= 8  # a few outlier channels, as in real activations
     return x
+
+
+@settings(max_examples=25, deadline=None)
+@given(k=st.integers(1, 1700), chunks=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_block_upper_gram_accumulation_equals_the_full_product(k, chunks, seed):
+    gen = torch.Generator().manual_seed(seed)
+    acc, acc_w = torch.zeros(k, k), torch.zeros(k, k)
+    full, full_w = torch.zeros(k, k, dtype=torch.float64), torch.zeros(k, k, dtype=torch.float64)
+    for _ in range(chunks):
+        x, w = torch.randn(7, k, generator=gen), torch.rand(7, generator=gen)
+        add_gram(acc, x, x)
+        add_gram(acc_w, x, x * w[:, None])
+        full += x.double().t() @ x.double()
+        full_w += x.double().t() @ (x.double() * w.double()[:, None])
+    torch.testing.assert_close(symmetric_from_upper(acc).double(), full, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(symmetric_from_upper(acc_w).double(), full_w, rtol=1e-5, atol=1e-4)
 
 
 def test_gptq_and_awq_beat_rtn_on_output_error():

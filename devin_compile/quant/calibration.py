@@ -212,6 +212,23 @@ def _norm_producing(x: torch.Tensor, norm_out: dict[int, tuple[torch.Tensor, str
     return None
 
 
+def add_gram(acc: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``acc += xᵀ y`` for a symmetric result (``y`` is ``x`` or ``x`` with rows reweighted), computing
+    only the column blocks at and right of each row block's diagonal block: about 5/8 of the full
+    product's work at K = 1536 (4 blocks), 3/4 at K = 576. Entries below the diagonal blocks are
+    left untouched; :func:`symmetric_from_upper` completes the matrix once accumulation is over."""
+    k = x.shape[1]
+    nb = max(1, round(k / 384))
+    b = -(-k // nb)
+    for a in range(0, k, b):
+        acc[a:a + b, a:].addmm_(x[:, a:a + b].t(), y[:, a:])
+
+
+def symmetric_from_upper(acc: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose upper triangle (with the diagonal) is ``acc``'s."""
+    return torch.triu(acc) + torch.triu(acc, 1).t()
+
+
 def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                   progress: ProgressArg = True, data: str = "",
                   fisher: bool = True) -> CalibrationStats:
@@ -252,18 +269,18 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                 key = name
                 live[id(x)] = (x, key)
                 x2 = x.detach().reshape(-1, x.shape[-1]).float()
-                h = x2.t() @ x2
                 if fisher:
                     chunk_x[key] = x2
                 a = x2.abs().sum(0)
                 if key in hessian:
-                    hessian[key] += h
                     absmean[key] += a
                 else:
-                    hessian[key], absmean[key] = h, a
+                    kdim = x2.shape[1]
+                    hessian[key], absmean[key] = torch.zeros(kdim, kdim, device=x2.device), a
                     n = _norm_producing(x, norm_out)
                     if n is not None:
                         producer[key] = n
+                add_gram(hessian[key], x2, x2)
             prev = linear_input.setdefault(name, key)
             if prev != key:
                 raise RuntimeError(f"calibration: {name} read a different input on a later chunk ({prev} vs {key})")
@@ -318,7 +335,9 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                     grad_positions += ids.shape[1] - 1
                     for key, w in token_w.items():
                         x2 = chunk_x[key]
-                        gh[key] = gh.get(key, 0) + x2.t() @ (x2 * w[:, None])
+                        if key not in gh:
+                            gh[key] = torch.zeros(x2.shape[1], x2.shape[1], device=x2.device)
+                        add_gram(gh[key], x2, x2 * w[:, None])
                         gh_w[key] = gh_w.get(key, 0.0) + float(w.sum())
                 token_w.clear()
                 chunk_x.clear()
@@ -335,7 +354,7 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
         token_w.clear()
         chunk_x.clear()
     for k in hessian:
-        hessian[k] = (hessian[k] / tokens).cpu()
+        hessian[k] = (symmetric_from_upper(hessian[k]) / tokens).cpu()
         absmean[k] = (absmean[k] / tokens).cpu()
     missing = sorted(set(linears) - set(linear_input))
     if missing:
@@ -344,7 +363,7 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
     # all or nothing: a ranking that mixed loss estimates with missing ones would mean nothing
     if fisher and grad_positions and set(grad_sq) == set(linears):
         fisher_stats = {n: (grad_sq[n] / grad_positions).cpu() for n in linears}
-        grad_hessian = {k: (gh[k] / max(gh_w[k], 1e-30)).cpu() for k in hessian}
+        grad_hessian = {k: (symmetric_from_upper(gh[k]) / max(gh_w[k], 1e-30)).cpu() for k in hessian}
     return CalibrationStats(hessian, absmean, linear_input, producer, tokens, len(chunks), int(chunks[0].numel()),
                             model_fingerprint(model), time.perf_counter() - t0, data, fisher=fisher_stats,
                             grad_hessian=grad_hessian)
