@@ -8,7 +8,7 @@ Cholesky factorisation succeeds (at most 6 tries, the last ``λ`` is reported); 
 Cholesky factor of ``H⁻¹`` drives the updates; columns are processed in blocks of
 ``block_size`` (128) with the lazy batch update of the rest of the matrix after each
 block, on ``Wᵀ`` so that a column is a contiguous row (the same codes as the unblocked
-column-by-column loop, tested; SmolLM2's 210 linears in ~40 s on 2 cores, from 68 s). ``act_order=True`` visits columns by decreasing ``H_ii``; groups are then fixed up
+column-by-column loop, tested). ``act_order=True`` visits columns by decreasing ``H_ii``; groups are then fixed up
 front from the original weights ("static groups", so a group's columns share one grid
 whatever the visiting order); without it each group's grid is fitted when its first
 column is reached, on the already-updated weights.
