@@ -38,6 +38,7 @@ from devin_compile.quant.calibration import (CalibrationStats, add_gram, collect
 from devin_compile.backends.int4.format import choose_group_size
 from devin_compile.quant import QuantConfig, parse_target, quantize_model, simulate
 from devin_compile.quant.anchor import anchor_outlier_channels
+from devin_compile.quant.config import DEFAULT_PER_LINEAR, MLP_INPUT
 from devin_compile.quant.quantize import objective_hessian
 
 
@@ -639,6 +640,37 @@ def test_methods_beat_rtn_on_total_output_error(tiny, tiny_results):
     assert total["awq"] < total["rtn"] and total["gptq"] < total["rtn"]
 
 
+def test_per_linear_options_apply_to_the_matched_linears_only(tiny):
+    model, stats = tiny
+    base = {"method": "gptq", "group_size": 64, "per_linear": {}}
+    plain = quantize_model(model, stats, base)
+    everywhere = quantize_model(model, stats, {**base, "damp": 0.5, "loss_weight": 0.0, "act_order": False})
+    up_only = quantize_model(model, stats, {**base, "per_linear": {
+        r"mlp\.up_proj$": {"damp": 0.5, "loss_weight": 0.0, "act_order": False}, r"up_proj": {"damp": 0.9}}})
+    ups = [n for n in plain.linears if n.endswith("up_proj")]
+    assert ups and len(ups) < len(plain.linears)
+    for n, ql in up_only.linears.items():  # the first matching regex wins; the rest keep the top-level options
+        same_as = everywhere if n in ups else plain
+        assert torch.equal(ql.q, same_as.linears[n].q) and torch.equal(ql.scale, same_as.linears[n].scale), n
+    assert any(not torch.equal(everywhere.linears[n].q, plain.linears[n].q) for n in ups)
+
+
+@pytest.mark.parametrize("name,matched", [
+    ("model.layers.0.mlp.gate_proj", True), ("model.layers.3.mlp.up_proj", True),
+    ("model.layers.0.mlp.gate_up_proj", True), ("transformer.h.1.mlp.c_fc", True),
+    ("model.decoder.layers.2.fc1", True), ("gpt_neox.layers.0.mlp.dense_h_to_4h", True),
+    ("model.layers.0.block_sparse_moe.experts.3.w1", True), ("model.layers.0.mlp.down_proj", False),
+    ("model.layers.0.self_attn.v_proj", False), ("transformer.h.1.mlp.c_proj", False),
+    ("model.decoder.layers.2.fc2", False), ("model.layers.0.block_sparse_moe.experts.3.w2", False),
+])
+def test_default_per_linear_options_cover_mlp_input_projections(name, matched):
+    cfg = QuantConfig(method="gptq", loss_weight=2.0)
+    assert cfg.per_linear == DEFAULT_PER_LINEAR["gptq"]
+    assert cfg.for_linear(name) == (dataclasses.replace(cfg, per_linear={}, loss_weight=0.0) if matched else cfg)
+    awq_cfg = QuantConfig(method="awq")  # AWQ has no default overrides
+    assert awq_cfg.per_linear == {} and awq_cfg.for_linear(name) == awq_cfg
+
+
 def _int4_nodes(opt):
     return [n for gm in opt.program.graphs.values() for n in gm.graph.nodes
             if n.op == "call_function" and n.target == torch.ops.devin.int4_linear.default]
@@ -783,6 +815,11 @@ def test_lm_head_needs_head_statistics(tiny):
     ({"lm_head": "yes"}, r"lm_head='yes' must be True or False"),
     ({"loss_weight": -1}, r"loss_weight"),
     ({"anchors": -2}, r"anchors"),
+    ({"per_linear": "up_proj"}, r"per_linear='up_proj' must be a dict"),
+    ({"per_linear": {"(up": {"damp": 0.5}}}, r"per_linear key '\(up' is not a regular expression"),
+    ({"per_linear": {"up_proj": {"bits": 8}}}, r"per_linear\['up_proj'\] got unknown options \['bits'\]"),
+    ({"per_linear": {"up_proj": {"damp": 1.5}}}, r"per_linear\['up_proj'\] damp=1.5"),
+    ({"per_linear": {"up_proj": {"act_order": "no"}}}, r"act_order='no' must be True or False"),
 ])
 def test_bad_quantization_options(bad, match):
     with pytest.raises(ValueError, match=match):

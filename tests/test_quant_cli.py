@@ -19,6 +19,12 @@ def test_bad_method_and_group_size_are_clear_errors(tmp_path, capsys):
     assert "anchors" in capsys.readouterr().err
     assert main(["quantize", "run", "--calib", str(tmp_path), "--loss-weight", "-1", "--out", str(tmp_path / "q")]) == 2
     assert "loss_weight" in capsys.readouterr().err
+    assert main(["quantize", "run", "--calib", str(tmp_path), "--per-linear", "{up_proj: 1}", "--out",
+                 str(tmp_path / "q")]) == 2
+    assert "--per-linear '{up_proj: 1}' is not valid JSON" in capsys.readouterr().err
+    assert main(["quantize", "run", "--calib", str(tmp_path), "--per-linear", '{"up_proj": {"damp": 0}}', "--out",
+                 str(tmp_path / "q")]) == 2
+    assert "per_linear['up_proj'] damp=0" in capsys.readouterr().err
     assert main(["quantize", "calibrate", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "c")]) == 2
     assert "missing.txt does not exist" in capsys.readouterr().err
 

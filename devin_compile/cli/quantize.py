@@ -68,6 +68,10 @@ def add_arguments(p) -> None:
                         "the activation Hessian alone)")
     r.add_argument("--anchors", type=int, default=None,
                    help="input channels per linear whose weights the INT4 grid keeps exact (default 3; 0: off)")
+    r.add_argument("--per-linear", default=None, metavar="JSON",
+                   help="per-linear overrides of --damp/--loss-weight/--anchors/act_order/clip as a JSON object "
+                        "{regex on linear names: {option: value}}, first match wins (default: GPTQ rounds the MLP "
+                        "input projections with loss_weight 0; '{}': none)")
     r.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
     r.add_argument("--out", required=True, metavar="DIR",
@@ -161,7 +165,9 @@ def quantize(args) -> int:
     cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=target,
                       tiers=args.tiers, act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
                       **{k: v for k, v in (("damp", args.damp), ("loss_weight", args.loss_weight),
-                                           ("anchors", args.anchors)) if v is not None})
+                                           ("anchors", args.anchors), ("per_linear", _json_option(args.per_linear,
+                                                                                                  "--per-linear")))
+                         if v is not None})
     calib = Path(args.calib)
     if not (calib / META_FILE).is_file() or not (calib / STATS_FILE).is_file():
         raise FileNotFoundError(f"--calib {calib} is not a calibration directory (needs {META_FILE} and {STATS_FILE}; "
@@ -231,3 +237,13 @@ def validate(args) -> int:
     (out / "validate.md").write_text(md + "\n")
     con.print(f"wrote {out / 'validate.json'} and {out / 'validate.md'}")
     return 0
+
+
+def _json_option(text: str | None, flag: str):
+    """A JSON command-line value (None when the flag is absent); malformed JSON is a ``ValueError`` naming it."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {text!r} is not valid JSON ({e}); e.g. {flag} '{{\"up_proj$\": {{\"damp\": 0.5}}}}'") from None

@@ -9,7 +9,9 @@ among them per linear);
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -23,6 +25,17 @@ INT4_KERNELS = ("auto", "cpu", "cpu_c", "reference", "triton")
 RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill", "progress", "tiers")
 # Precision tiers below the model dtype a linear may take (the model dtype is always a choice).
 TIERS = ("int4", "fp8")
+# The options that shape how one linear is rounded: what a ``per_linear`` override may set.
+PER_LINEAR_KEYS = ("damp", "loss_weight", "act_order", "anchors", "clip")
+# The MLP's input projections under the names Hugging Face families give them (Llama/Qwen/Mistral gate
+# and up, Phi-3's fused gate_up, OPT/Phi fc1, GPT-2/StarCoder c_fc, GPT-J fc_in, GPT-NeoX/Falcon
+# dense_h_to_4h, Mixtral experts' w1/w3), matched against a linear's qualified name.
+MLP_INPUT = r"(^|\.)(gate_proj|up_proj|gate_up_proj|fc1|c_fc|fc_in|dense_h_to_4h|w1|w3)$"
+# Each method's default ``per_linear``: GPTQ rounds the MLP's input projections on the activation
+# Hessian alone. The blended objective (loss_weight 2) is what took v_proj's held-out loss down, but
+# on gate/up it fits the calibration's output gradients and costs held-out text; AWQ's scale search
+# is the other way round (README: "Per-linear options").
+DEFAULT_PER_LINEAR = {"gptq": {MLP_INPUT: {"loss_weight": 0.0}}}
 
 
 def parse_tiers(value: Any) -> tuple[str, ...]:
@@ -112,6 +125,10 @@ class QuantConfig:
     # precision tiers below the model dtype: "int4" and/or "fp8" (e4m3, per-row scales); byte-budget
     # targets pick each linear's tier by a knapsack over the estimated loss (passes/assign_precision.py)
     tiers: Any = ("int4",)
+    # {regex: {option: value}}: the linears whose qualified name the regex matches (re.search; the first
+    # matching regex wins) are rounded with these PER_LINEAR_KEYS options instead of the ones above
+    # (None: the method's DEFAULT_PER_LINEAR; {}: none)
+    per_linear: Any = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -129,11 +146,18 @@ class QuantConfig:
                 and all(isinstance(d, (str, os.PathLike)) for d in self.data)):
             raise ValueError(f"quantization data={self.data!r} must be a path (file or folder) or a non-empty "
                              "list of paths")
-        number_in("damp", self.damp, 0, 1, lo_open=True, hi_open=True)
-        number_in("loss_weight", self.loss_weight, 0, 100)
-        int_at_least("anchors", self.anchors, 0)
+        check_rounding_options({k: getattr(self, k) for k in PER_LINEAR_KEYS}, "quantization")
+        self.per_linear = parse_per_linear(DEFAULT_PER_LINEAR.get(self.method, {}) if self.per_linear is None
+                                           else self.per_linear)
         positive_int("calib_chunks", self.calib_chunks)
         int_at_least("calib_len", self.calib_len, 2)
+
+    def for_linear(self, name: str) -> "QuantConfig":
+        """The options ``name`` is rounded with: this config, with the first ``per_linear`` match applied."""
+        for pattern, opts in self.per_linear.items():
+            if re.search(pattern, name):
+                return dataclasses.replace(self, per_linear={}, **opts)
+        return self
 
     @classmethod
     def coerce(cls, value: Any) -> "QuantConfig | None":
@@ -146,3 +170,36 @@ class QuantConfig:
             return from_mapping(cls, value, "quantization")
         raise ValueError(f"quantization={value!r} must be a dict such as "
                          "{'method': 'awq', 'bits': 4, 'group_size': 64}")
+
+
+def check_rounding_options(opts: Mapping[str, Any], where: str) -> None:
+    """Validate :data:`PER_LINEAR_KEYS` values (any subset); the error names ``where`` they came from."""
+    checks = {"damp": lambda n, v: number_in(n, v, 0, 1, lo_open=True, hi_open=True),
+              "loss_weight": lambda n, v: number_in(n, v, 0, 100),
+              "anchors": lambda n, v: int_at_least(n, v, 0), "act_order": flag, "clip": flag}
+    for k, v in opts.items():
+        checks[k](k if where == "quantization" else f"{where} {k}", v)
+
+
+def parse_per_linear(value: Any) -> dict[str, dict[str, Any]]:
+    """``{regex: {option: value}}`` → the same, validated (each regex compiles, options in
+    :data:`PER_LINEAR_KEYS` with valid values)."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"quantization per_linear={value!r} must be a dict {{regex on linear names: {{option: value}}}}, "
+                         f"e.g. {{'mlp\\.up_proj$': {{'damp': 0.5}}}}; options: {list(PER_LINEAR_KEYS)}")
+    out = {}
+    for pattern, opts in value.items():
+        try:
+            re.compile(pattern)
+        except (TypeError, re.error) as e:
+            raise ValueError(f"quantization per_linear key {pattern!r} is not a regular expression ({e})") from None
+        if not isinstance(opts, Mapping):
+            raise ValueError(f"quantization per_linear[{pattern!r}]={opts!r} must be a dict of options "
+                             f"from {list(PER_LINEAR_KEYS)}")
+        unknown = sorted(set(opts) - set(PER_LINEAR_KEYS))
+        if unknown:
+            raise ValueError(f"quantization per_linear[{pattern!r}] got unknown options {unknown}; "
+                             f"valid: {list(PER_LINEAR_KEYS)}")
+        check_rounding_options(opts, f"quantization per_linear[{pattern!r}]")
+        out[pattern] = dict(opts)
+    return out

@@ -87,14 +87,15 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
         search = Progress(progress, len(groups), "AWQ scale search")
         for gi, (key, names) in enumerate(groups.items()):
             search.update(gi, key)
-            h, a = objective_hessian(stats, key, cfg.loss_weight), stats.absmean[key]
+            lw = cfg.for_linear(names[0]).loss_weight  # a shared input: its first linear's options
+            h, a = objective_hessian(stats, key, lw), stats.absmean[key]
             norm = stats.producer.get(key)
             src = None if norm is not None else _fold_source(names[0], lins) if len(names) == 1 else None
             if norm is None and src is None:
                 unfolded.append(names[0])
                 continue
             # rows weighted by their output-gradient squares (the loss estimate) when calibration has them
-            fis = [stats.fisher.get(n) for n in names] if cfg.loss_weight > 0 else []
+            fis = [stats.fisher.get(n) for n in names] if lw > 0 else []
             rw = [f.float() for f in fis] if fis and all(f is not None for f in fis) else None
             s, _alpha, _e, _e0 = awq.search_scale([weights[n] for n in names], h, a, gsize[names[0]][0], rw)
             for n in names:
@@ -116,10 +117,11 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
     linears: dict[str, QLinear] = {}
     bar = Progress(progress, len(weights), f"{cfg.method.upper()} INT4 g{cfg.group_size}")
     for i, (n, w) in enumerate(weights.items()):
+        lc = cfg.for_linear(n)  # per_linear overrides applied
         key = stats.linear_input[n]
         h = stats.hessian[key].float()
         h_loss = stats.grad_hessian.get(key, h).float()  # the loss estimate's Hessian
-        h_obj = objective_hessian(stats, key, cfg.loss_weight)  # what GPTQ and the searches minimise
+        h_obj = objective_hessian(stats, key, lc.loss_weight)  # what GPTQ and the searches minimise
         g, why = gsize[n]
         s_in, s_row = in_scale.get(n), row_scale.get(n)
         ws = w
@@ -130,14 +132,14 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
         if s_row is not None:
             ws = ws * s_row[:, None]
         if cfg.method == "gptq":
-            grid = awq.clip_search(ws, h_obj, g) if cfg.clip else None
-            if cfg.anchors and (grid is not None or cfg.act_order):
+            grid = awq.clip_search(ws, h_obj, g) if lc.clip else None
+            if lc.anchors and (grid is not None or lc.act_order):
                 if grid is None:
                     grid = fmt.params_from_range(*fmt.group_minmax(ws, g))
-                grid = anchor_outlier_channels(ws, h_obj, *grid, g, cfg.anchors)
-            q, sc, mn, _info = gptq.gptq_quantize(ws, h_obj, g, damp=cfg.damp, act_order=cfg.act_order, grid=grid)
-        elif cfg.method == "awq" and cfg.clip and not _is_qk(n):
-            sc, mn = anchor_outlier_channels(ws, h_obj, *awq.clip_search(ws, h_obj, g), g, cfg.anchors)
+                grid = anchor_outlier_channels(ws, h_obj, *grid, g, lc.anchors)
+            q, sc, mn, _info = gptq.gptq_quantize(ws, h_obj, g, damp=lc.damp, act_order=lc.act_order, grid=grid)
+        elif cfg.method == "awq" and lc.clip and not _is_qk(n):
+            sc, mn = anchor_outlier_channels(ws, h_obj, *awq.clip_search(ws, h_obj, g), g, lc.anchors)
             q = fmt.quantize_with(ws, sc, mn, g)
         else:
             q, sc, mn = fmt.rtn_quantize(ws, g)
