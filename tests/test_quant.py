@@ -405,6 +405,32 @@ def test_anchored_grid_makes_the_outlier_column_exact():
     assert torch.equal(anchor_outlier_channels(w, iso, s0, m0, g, 3)[1], m0)
 
 
+def test_clip_search_moves_each_end_of_the_range_on_its_own():
+    """The one-sided pass never raises a group's error over the best symmetric shrink, and where one
+    end is an outlier it lowers the error by shrinking the two ends unlike."""
+    n, k, g = 64, 128, 32
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen)
+    w[::2, 5] = 8.0  # an outlier at the top of group 0 in every other row
+    x = torch.randn(1024, k, generator=gen)
+    h = x.t() @ x / 1024
+
+    def group_error(grid):
+        d = (fmt.dequantize(fmt.quantize_with(w, *grid, g), *grid, g) - w).view(n, k // g, g)
+        hg = torch.stack([h[i * g:(i + 1) * g, i * g:(i + 1) * g] for i in range(k // g)])
+        return (torch.einsum("ngi,gij->ngj", d, hg) * d).sum(-1)
+
+    lo0, hi0 = fmt.group_minmax(w, g)
+    symmetric = torch.stack([group_error(fmt.params_from_range(lo0 * r, hi0 * r)) for r in awq.CLIP_GRID]).amin(0)
+    scale, lo = awq.clip_search(w, h, g)
+    err = group_error((scale, lo))
+    assert bool((err <= symmetric * (1 + 1e-5)).all())
+    assert float(err[::2, 0].sum()) < 0.95 * float(symmetric[::2, 0].sum())  # measured: 0.875
+    hi = lo + scale * fmt.QMAX
+    # the outlier's end barely moves (clipping 8.0 costs more than it saves); the other end shrinks
+    assert float((hi / hi0)[::2, 0].mean()) > float((lo / lo0)[::2, 0].mean()) + 0.03  # measured: 0.99 vs 0.93
+
+
 def test_anchoring_lowers_gptq_and_awq_error_on_unseen_tokens():
     """Fitted on one sample of tokens, measured on another from the same distribution."""
     k, n, g = 128, 96, 32
@@ -414,8 +440,8 @@ def test_anchoring_lowers_gptq_and_awq_error_on_unseen_tokens():
     gains = []
     for seed in range(3):
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-        grid = awq.clip_search(w, h, g)
-        errs = []
+        grid = fmt.params_from_range(*fmt.group_minmax(w, g))  # the plain grid (clip_search's one-sided pass
+        errs = []                                               # takes most of what anchoring gives there)
         for anchored in (False, True):
             gr = anchor_outlier_channels(w, h, *grid, g, 1) if anchored else grid
             q, s, m, _ = gptq.gptq_quantize(w, h, g, act_order=True, grid=gr)
@@ -423,7 +449,7 @@ def test_anchoring_lowers_gptq_and_awq_error_on_unseen_tokens():
             rtn_err = float(awq.output_error(fmt.dequantize(fmt.quantize_with(w, *gr, g), *gr, g) - w, h_new).sum())
             errs.append((gptq_err, rtn_err))
         gains.append((errs[1][0] / errs[0][0], errs[1][1] / errs[0][1]))
-    assert all(a < 0.97 and b < 0.95 for a, b in gains), gains  # measured: 0.89-0.94 / 0.87-0.90
+    assert all(a < 0.85 and b < 0.8 for a, b in gains), gains  # measured: 0.71-0.75 / 0.66-0.67
 
 
 def test_awq_scale_search_follows_row_weights():

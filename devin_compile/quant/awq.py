@@ -13,7 +13,10 @@ full-precision model is unchanged (``(W diag(s)) (x / s) = W x``).
   never does worse than RTN on this measure.
 - Clipping search (not on q/k, whose errors are amplified by the softmax): per output row
   and group, the grid's range ``[r·min, r·max]`` for ``r = 1, 0.95, …, 0.55`` (10 points)
-  that minimises that group's share of the output error ``Δw_g H_gg Δw_gᵀ``.
+  that minimises that group's share of the output error ``Δw_g H_gg Δw_gᵀ``; then the top
+  end alone and the bottom end alone over ``r = 1, 0.975, …, 0.425`` (24 points each). The
+  grid is asymmetric (min + scale · q), so its ends need not shrink alike: the one-sided pass
+  cut the SmolLM2 held-out KL of AWQ and GPTQ by ~15–20% (README).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import torch
 from ..backends.int4 import format as fmt
 
 ALPHA_GRID = tuple(i / 20 for i in range(20))
-CLIP_GRID = tuple(1 - i / 20 for i in range(10))
+CLIP_GRID = tuple(1 - i / 20 for i in range(10))  # the range shrunk at both ends alike
+REFINE_GRID = tuple(1 - i / 40 for i in range(24))  # then one end at a time
 
 
 def output_error(dw: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -65,25 +69,41 @@ def search_scale(weights: list[torch.Tensor], h: torch.Tensor, absmean: torch.Te
 
 
 def clip_search(w: torch.Tensor, h: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, minv) [N, G] with each (row, group)'s range shrunk by the best ratio in CLIP_GRID."""
+    """(scale, minv) [N, G]: per (row, group), the range ``[r·min, r·max]`` with the best ``r`` in
+    CLIP_GRID, then its top alone moved to ``r·max`` and its bottom alone to ``r·min`` for the
+    best ``r`` in REFINE_GRID (one pass of coordinate descent; a move is taken only where it
+    lowers that group's error, so the result never does worse than the symmetric search)."""
     n, k = w.shape
     lo0, hi0 = fmt.group_minmax(w, group_size)
     if k % group_size:  # a short last group: keep the plain min-max grid
         return fmt.params_from_range(lo0, hi0)
     g = k // group_size
-    wg = w.float().view(n, g, group_size)
+    wg = w.float().view(n, g, group_size).transpose(0, 1)  # [G, N, gs]
     idx = torch.arange(g)
     hg = h.float().view(g, group_size, g, group_size)[idx, :, idx, :]  # [G, gs, gs] diagonal blocks
+
+    def error(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        s, m = (t.T[..., None] for t in fmt.params_from_range(lo, hi))  # [G, N, 1]
+        d = ((wg - m) / s).round().clamp(0, fmt.QMAX) * s + m - wg
+        return (torch.bmm(d, hg) * d).sum(-1).T  # [N, G]
+
     best_err = torch.full((n, g), float("inf"))
     best_lo, best_hi = lo0.clone(), hi0.clone()
-    for r in CLIP_GRID:
-        lo, hi = lo0 * r, hi0 * r
-        s, m = fmt.params_from_range(lo, hi)
-        q = ((wg - m[..., None]) / s[..., None]).round().clamp(0, fmt.QMAX)
-        d = q * s[..., None] + m[..., None] - wg  # [N, G, gs]
-        err = (torch.einsum("ngi,gij->ngj", d, hg) * d).sum(-1)
+
+    def consider(lo: torch.Tensor, hi: torch.Tensor) -> None:
+        nonlocal best_err, best_lo, best_hi
+        err = error(lo, hi)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_lo = torch.where(better, lo, best_lo)
         best_hi = torch.where(better, hi, best_hi)
+
+    for r in CLIP_GRID:
+        consider(lo0 * r, hi0 * r)
+    lo1 = best_lo.clone()
+    for r in REFINE_GRID:
+        consider(lo1, hi0 * r)
+    hi1 = best_hi.clone()
+    for r in REFINE_GRID:
+        consider(lo0 * r, hi1)
     return fmt.params_from_range(best_lo, best_hi)
