@@ -67,7 +67,7 @@ def add_arguments(p) -> None:
                    help="weight of the gradient-weighted Hessian in GPTQ's/AWQ's objective (default 2; 0: "
                         "the activation Hessian alone)")
     r.add_argument("--anchors", type=int, default=None,
-                   help="input channels per linear whose weights the INT4 grid keeps exact (default 3; 0: off)")
+                   help="input channels per linear whose weights the INT4 grid keeps exact (default 0: off)")
     r.add_argument("--per-linear", default=None, metavar="JSON",
                    help="per-linear overrides of --damp/--loss-weight/--anchors/act_order/clip as a JSON object "
                         "{regex on linear names: {option: value}}, first match wins (default: GPTQ rounds the MLP "

@@ -13,9 +13,10 @@ its FP8 weight (e4m3, per-row absmax scales: :mod:`devin_compile.backends.fp8.fo
 whatever the method) with the same error and loss statistics.
 
 What GPTQ and AWQ's searches minimise is :func:`objective_hessian` (the activation Hessian
-blended with the gradient-weighted one, ``loss_weight``), and their grids are anchored on each
-linear's strongest input channels (:mod:`.anchor`, ``anchors``): the two defaults that took
-GPTQ's held-out perplexity increase on SmolLM2 from +12.2% to +6.4% (README).
+blended with the gradient-weighted one, ``loss_weight``); their grids come from
+:func:`.awq.clip_search` (each end of a group's range moved on its own), optionally anchored on
+each linear's strongest input channels (:mod:`.anchor`, ``anchors``). Each linear is rounded with
+``config.for_linear(name)``: the top-level options with its ``per_linear`` overrides applied.
 """
 from __future__ import annotations
 
@@ -46,10 +47,6 @@ def _fold_source(name: str, linears: dict[str, torch.nn.Linear]) -> str | None:
     if src_lin is None or src_lin.out_features != lin.in_features:
         return None  # e.g. v→o under grouped-query attention: v has fewer rows than o has inputs
     return src
-
-
-def _is_qk(name: str) -> bool:
-    return name.rpartition(".")[2] in ("q_proj", "k_proj")
 
 
 def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: QuantConfig | Mapping | None = None,
@@ -138,7 +135,7 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                     grid = fmt.params_from_range(*fmt.group_minmax(ws, g))
                 grid = anchor_outlier_channels(ws, h_obj, *grid, g, lc.anchors)
             q, sc, mn, _info = gptq.gptq_quantize(ws, h_obj, g, damp=lc.damp, act_order=lc.act_order, grid=grid)
-        elif cfg.method == "awq" and lc.clip and not _is_qk(n):
+        elif cfg.method == "awq" and lc.clip:
             sc, mn = anchor_outlier_channels(ws, h_obj, *awq.clip_search(ws, h_obj, g), g, lc.anchors)
             q = fmt.quantize_with(ws, sc, mn, g)
         else:
