@@ -57,7 +57,13 @@ def main() -> None:
         medians[f"calibration_plus_{method}_seconds"] = statistics.median(
             run["calibration_seconds"] + run[f"{method}_seconds"] for run in runs)
     cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
-    out = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    # the model name alone ("AMD EPYC") hides the generation and clock: keep family/model/MHz/ISA too
+    info = subprocess.run("grep -m5 -E '^(cpu family|model\\s|cpu MHz|flags)' /proc/cpuinfo", shell=True,
+                          capture_output=True, text=True).stdout.splitlines()
+    cpu_detail = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info) if k.strip() != "flags"}
+    cpu_detail["isa"] = sorted({f for line in info if line.startswith("flags") for f in line.split()
+                               if f.startswith(("avx", "amx"))})
+    out = {"cpu": cpu, "cpu_detail": cpu_detail, "threads": torch.get_num_threads(), "torch": torch.__version__,
            "platform": platform.platform(), "chunks": args.chunks, "chunk_len": 512,
            "output_gradients": not args.no_output_gradients, "runs": runs, "median": medians}
     print(json.dumps(out["median"], indent=1))

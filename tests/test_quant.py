@@ -692,7 +692,8 @@ def test_per_linear_options_apply_to_the_matched_linears_only(tiny):
 def test_default_per_linear_options_cover_mlp_input_projections(name, matched):
     cfg = QuantConfig(method="gptq", loss_weight=2.0)
     assert cfg.per_linear == DEFAULT_PER_LINEAR["gptq"]
-    assert cfg.for_linear(name) == (dataclasses.replace(cfg, per_linear={}, loss_weight=0.0) if matched else cfg)
+    assert cfg.for_linear(name) == (dataclasses.replace(cfg, per_linear={}, loss_weight=0.0, damp=0.5) if matched
+                                    else cfg)
     awq_cfg = QuantConfig(method="awq")  # AWQ has no default overrides
     assert awq_cfg.per_linear == {} and awq_cfg.for_linear(name) == awq_cfg
 

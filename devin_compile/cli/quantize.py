@@ -71,7 +71,7 @@ def add_arguments(p) -> None:
     r.add_argument("--per-linear", default=None, metavar="JSON",
                    help="per-linear overrides of --damp/--loss-weight/--anchors/act_order/clip as a JSON object "
                         "{regex on linear names: {option: value}}, first match wins (default: GPTQ rounds the MLP "
-                        "input projections with loss_weight 0; '{}': none)")
+                        "input projections with loss_weight 0 and damp 0.5; '{}': none)")
     r.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
     r.add_argument("--out", required=True, metavar="DIR",

@@ -32,10 +32,10 @@ PER_LINEAR_KEYS = ("damp", "loss_weight", "act_order", "anchors", "clip")
 # dense_h_to_4h, Mixtral experts' w1/w3), matched against a linear's qualified name.
 MLP_INPUT = r"(^|\.)(gate_proj|up_proj|gate_up_proj|fc1|c_fc|fc_in|dense_h_to_4h|w1|w3)$"
 # Each method's default ``per_linear``: GPTQ rounds the MLP's input projections on the activation
-# Hessian alone. The blended objective (loss_weight 2) is what took v_proj's held-out loss down, but
-# on gate/up it fits the calibration's output gradients and costs held-out text; AWQ's scale search
-# is the other way round (README: "Per-linear options").
-DEFAULT_PER_LINEAR = {"gptq": {MLP_INPUT: {"loss_weight": 0.0}}}
+# Hessian alone, damped more. The blended objective (loss_weight 2) is what took v_proj's held-out
+# loss down, but on gate/up it fits the calibration's output gradients and costs held-out text, as
+# light dampening does; AWQ's scale search is the other way round (README: "Per-linear options").
+DEFAULT_PER_LINEAR = {"gptq": {MLP_INPUT: {"loss_weight": 0.0, "damp": 0.5}}}
 
 
 def parse_tiers(value: Any) -> tuple[str, ...]:
