@@ -147,7 +147,7 @@ class QuantConfig:
                 and all(isinstance(d, (str, os.PathLike)) for d in self.data)):
             raise ValueError(f"quantization data={self.data!r} must be a path (file or folder) or a non-empty "
                              "list of paths")
-        check_rounding_options({k: getattr(self, k) for k in PER_LINEAR_KEYS}, "quantization")
+        check_rounding_options({k: getattr(self, k) for k in PER_LINEAR_KEYS})
         self.per_linear = parse_per_linear(DEFAULT_PER_LINEAR.get(self.method, {}) if self.per_linear is None
                                            else self.per_linear)
         positive_int("calib_chunks", self.calib_chunks)
@@ -173,13 +173,13 @@ class QuantConfig:
                          "{'method': 'awq', 'bits': 4, 'group_size': 64}")
 
 
-def check_rounding_options(opts: Mapping[str, Any], where: str) -> None:
-    """Validate :data:`PER_LINEAR_KEYS` values (any subset); the error names ``where`` they came from."""
+def check_rounding_options(opts: Mapping[str, Any], prefix: str = "") -> None:
+    """Validate :data:`PER_LINEAR_KEYS` values (any subset); the error names the option as ``prefix + key``."""
     checks = {"damp": lambda n, v: number_in(n, v, 0, 1, lo_open=True, hi_open=True),
               "loss_weight": lambda n, v: number_in(n, v, 0, 100),
               "anchors": lambda n, v: int_at_least(n, v, 0), "act_order": flag, "clip": flag}
     for k, v in opts.items():
-        checks[k](k if where == "quantization" else f"{where} {k}", v)
+        checks[k](prefix + k, v)
 
 
 def parse_per_linear(value: Any) -> dict[str, dict[str, Any]]:
@@ -201,6 +201,6 @@ def parse_per_linear(value: Any) -> dict[str, dict[str, Any]]:
         if unknown:
             raise ValueError(f"quantization per_linear[{pattern!r}] got unknown options {unknown}; "
                              f"valid: {list(PER_LINEAR_KEYS)}")
-        check_rounding_options(opts, f"quantization per_linear[{pattern!r}]")
+        check_rounding_options(opts, f"quantization per_linear[{pattern!r}] ")
         out[pattern] = dict(opts)
     return out
