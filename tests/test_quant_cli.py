@@ -17,6 +17,8 @@ def test_bad_method_and_group_size_are_clear_errors(tmp_path, capsys):
     assert "target 'half' is unknown" in capsys.readouterr().err
     assert main(["quantize", "run", "--calib", str(tmp_path), "--anchors", "-1", "--out", str(tmp_path / "q")]) == 2
     assert "anchors" in capsys.readouterr().err
+    assert main(["quantize", "run", "--calib", str(tmp_path), "--refits", "-1", "--out", str(tmp_path / "q")]) == 2
+    assert "refits=-1" in capsys.readouterr().err
     assert main(["quantize", "run", "--calib", str(tmp_path), "--loss-weight", "-1", "--out", str(tmp_path / "q")]) == 2
     assert "loss_weight" in capsys.readouterr().err
     assert main(["quantize", "run", "--calib", str(tmp_path), "--per-linear", "{up_proj: 1}", "--out",

@@ -68,8 +68,11 @@ def add_arguments(p) -> None:
                         "the activation Hessian alone)")
     r.add_argument("--anchors", type=int, default=None,
                    help="input channels per linear whose weights the INT4 grid keeps exact (default 0: off)")
+    r.add_argument("--refits", type=int, default=None,
+                   help="GPTQ: rounds of GPTQ each followed by a least-squares refit of every group's scale and "
+                        "min to its codes (default 2; 0: one plain GPTQ pass)")
     r.add_argument("--per-linear", default=None, metavar="JSON",
-                   help="per-linear overrides of --damp/--loss-weight/--anchors/act_order/clip as a JSON object "
+                   help="per-linear overrides of --damp/--loss-weight/--anchors/--refits/act_order/clip as a JSON object "
                         "{regex on linear names: {option: value}}, first match wins (default: GPTQ rounds the MLP "
                         "input projections with loss_weight 0 and damp 0.5; '{}': none)")
     r.add_argument("--lm-head", action="store_true",
@@ -165,7 +168,8 @@ def quantize(args) -> int:
     cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=target,
                       tiers=args.tiers, act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
                       **{k: v for k, v in (("damp", args.damp), ("loss_weight", args.loss_weight),
-                                           ("anchors", args.anchors), ("per_linear", _json_option(args.per_linear,
+                                           ("anchors", args.anchors), ("refits", args.refits),
+                                           ("per_linear", _json_option(args.per_linear,
                                                                                                   "--per-linear")))
                          if v is not None})
     calib = Path(args.calib)

@@ -26,7 +26,7 @@ RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill", "progres
 # Precision tiers below the model dtype a linear may take (the model dtype is always a choice).
 TIERS = ("int4", "fp8")
 # The options that shape how one linear is rounded: what a ``per_linear`` override may set.
-PER_LINEAR_KEYS = ("damp", "loss_weight", "act_order", "anchors", "clip")
+PER_LINEAR_KEYS = ("damp", "loss_weight", "act_order", "anchors", "clip", "refits")
 # The MLP's input projections under the names Hugging Face families give them (Llama/Qwen/Mistral gate
 # and up, Phi-3's fused gate_up, OPT/Phi fc1, GPT-2/StarCoder c_fc, GPT-J fc_in, GPT-NeoX/Falcon
 # dense_h_to_4h, Mixtral experts' w1/w3), matched against a linear's qualified name.
@@ -106,6 +106,9 @@ class QuantConfig:
     act_order: bool = True  # GPTQ: visit columns by decreasing Hessian diagonal (static groups)
     damp: float = 0.1  # GPTQ: dampening, a fraction of mean(diag H) (raised if Cholesky fails); see gptq.py
     clip: bool = True  # AWQ: clipping search; GPTQ: static groups on the clipping search's grid
+    # GPTQ: rounds of GPTQ each followed by a least-squares refit of every group's scale and min to
+    # its codes, each round on the previous one's grid (0: one plain pass); see gptq.py
+    refits: int = 2
     # GPTQ/AWQ objective: H/mean diag H + loss_weight · H_g/mean diag H_g (H_g: the gradient-weighted input
     # Hessian of calibration with output gradients; 0 or no H_g: H alone); see quantize.py
     loss_weight: float = 2.0
@@ -177,7 +180,8 @@ def check_rounding_options(opts: Mapping[str, Any], prefix: str = "") -> None:
     """Validate :data:`PER_LINEAR_KEYS` values (any subset); the error names the option as ``prefix + key``."""
     checks = {"damp": lambda n, v: number_in(n, v, 0, 1, lo_open=True, hi_open=True),
               "loss_weight": lambda n, v: number_in(n, v, 0, 100),
-              "anchors": lambda n, v: int_at_least(n, v, 0), "act_order": flag, "clip": flag}
+              "anchors": lambda n, v: int_at_least(n, v, 0), "act_order": flag, "clip": flag,
+              "refits": lambda n, v: int_at_least(n, v, 0)}
     for k, v in opts.items():
         checks[k](prefix + k, v)
 

@@ -21,6 +21,15 @@ and CMake docs. The largest fix is the calibration text (the shipped mix: 0.28x 
 then dampening: 0.1 · mean(diag H) (the default) gives 0.26x, against 0.28x at 0.01 and at 0.3;
 shrinking ``H`` towards its diagonal did not help (0.28x); dropping the clipped static grid
 hurt (0.56x against 0.46x on Shakespeare-only statistics).
+
+Grid refit (``refits``, :func:`refit_grid`): GPTQ fixes each group's grid (scale, min) before it
+chooses the codes, so once the codes are chosen the grid is no longer the best one for them. Per
+output row, ``Ŵ = q · scale_g + min_g`` is linear in the row's ``2·G`` grid values, and the output
+error ``(Ŵ − W) H (Ŵ − W)ᵀ`` is a quadratic in them: one ``2G x 2G`` least-squares solve per row
+gives the best grid for the codes (kept only for rows where it lowers the error). With
+``refits = R``, GPTQ runs ``R`` times, each on the previous pass's refitted grid, each followed by
+a refit. Only ``2·G`` numbers a row are fitted (against ``K`` codes), and on SmolLM2 held-out text
+the KL fell on every domain (README, "Grid refit").
 """
 from __future__ import annotations
 
@@ -46,12 +55,62 @@ def _damped_inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor
                      "calibrate on more (or more varied) text")
 
 
+def refit_grid(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
+               group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, minv) [N, G] minimising each row's ``(Ŵ − w) H (Ŵ − w)ᵀ`` for the fixed codes ``q``
+    (``Ŵ = q · scale + minv`` per group); a row keeps ``scale``/``minv`` where the solve does not
+    lower its error (a singular system, e.g. a group whose codes are all equal). A short last
+    group (``K`` not a multiple of ``group_size``) leaves the grid as it is."""
+    n, k = w.shape
+    if k % group_size:
+        return scale, minv
+    g = k // group_size
+    hf, wf = h.float(), w.float()
+    # Solved for (scale, mid) with Ŵ = (q − QMAX/2) · scale + mid: centred codes keep the system
+    # well conditioned in float32 (scale and min are nearly collinear otherwise); minv = mid − scale · QMAX/2.
+    qg = q.float().view(n, g, group_size) - fmt.QMAX / 2
+    # The normal equations [[QᵀHQ, QᵀH1], [1ᵀHQ, 1ᵀH1]] θ = [QᵀHw, 1ᵀHw] with θ = (scale, mid) and
+    # Q/1 the [K, G] group-indicator matrices weighted by the centred codes / by one, built block by block.
+    qh = torch.bmm(qg.transpose(0, 1), hf.view(g, group_size, k)).transpose(0, 1).reshape(n, g, g, group_size)
+    m_qq = (qh * qg[:, None]).sum(-1)  # [N, G, G]: q_gᵀ H_gh q_h
+    m_q1 = qh.sum(-1)  # q_gᵀ H_gh 1
+    m_11 = hf.view(g, group_size, g, group_size).sum((1, 3)).expand(n, g, g)
+    hw = (wf @ hf).view(n, g, group_size)
+    rhs = torch.cat([(qg * hw).sum(-1), hw.sum(-1)], 1).double()
+    lhs = torch.cat([torch.cat([m_qq, m_q1], 2), torch.cat([m_q1.transpose(1, 2), m_11], 2)], 1).double()
+    ridge = 1e-6 * torch.diagonal(lhs, dim1=1, dim2=2).mean(1).clamp(min=1e-30)
+    theta, _info = torch.linalg.solve_ex(lhs + ridge[:, None, None] * torch.eye(2 * g, dtype=lhs.dtype), rhs)
+    s_new = theta[:, :g].float()
+    m_new = theta[:, g:].float() - s_new * (fmt.QMAX / 2)
+
+    def error(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        d = fmt.dequantize(q, s, m, group_size) - wf
+        return ((d @ hf) * d).sum(1)
+
+    ok = torch.isfinite(theta).all(1) & (error(s_new, m_new) < error(scale, minv))
+    return torch.where(ok[:, None], s_new, scale), torch.where(ok[:, None], m_new, minv)
+
+
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: float = 0.1,
                   block_size: int = 128, act_order: bool = False,
-                  grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+                  grid: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  refits: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """→ (q uint8 [N, K], scale [N, G], minv [N, G], info) in the format of :mod:`.int4`.
 
-    ``grid``: fixed (scale, minv) per group (static groups), e.g. from a clipping search."""
+    ``grid``: fixed (scale, minv) per group (static groups), e.g. from a clipping search.
+    ``refits``: that many rounds of GPTQ, each followed by :func:`refit_grid`, each round after the
+    first on the previous round's refitted grid (0: one plain GPTQ pass)."""
+    q, scale, minv, info = _gptq_pass(w, h, group_size, damp, block_size, act_order, grid)
+    for r in range(refits):
+        if r:
+            q, scale, minv, info = _gptq_pass(w, h, group_size, damp, block_size, act_order, (scale, minv))
+        scale, minv = refit_grid(w, h, q, scale, minv, group_size)
+    return q, scale, minv, {**info, "refits": refits}
+
+
+def _gptq_pass(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float, block_size: int,
+               act_order: bool, grid: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """One GPTQ pass (the module docstring's steps)."""
     n, k = w.shape
     W = w.detach().float().clone()
     H = h.detach().double().clone()

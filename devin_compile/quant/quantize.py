@@ -134,7 +134,8 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                 if grid is None:
                     grid = fmt.params_from_range(*fmt.group_minmax(ws, g))
                 grid = anchor_outlier_channels(ws, h_obj, *grid, g, lc.anchors)
-            q, sc, mn, _info = gptq.gptq_quantize(ws, h_obj, g, damp=lc.damp, act_order=lc.act_order, grid=grid)
+            q, sc, mn, _info = gptq.gptq_quantize(ws, h_obj, g, damp=lc.damp, act_order=lc.act_order, grid=grid,
+                                                refits=lc.refits)
         elif cfg.method == "awq" and lc.clip:
             sc, mn = anchor_outlier_channels(ws, h_obj, *awq.clip_search(ws, h_obj, g), g, lc.anchors)
             q = fmt.quantize_with(ws, sc, mn, g)
