@@ -69,8 +69,8 @@ def add_arguments(p) -> None:
     r.add_argument("--anchors", type=int, default=None,
                    help="input channels per linear whose weights the INT4 grid keeps exact (default 0: off)")
     r.add_argument("--refits", type=int, default=None,
-                   help="GPTQ: rounds of GPTQ each followed by a least-squares refit of every group's scale and "
-                        "min to its codes (default 2; 0: one plain GPTQ pass)")
+                   help="GPTQ/AWQ: rounds of least-squares refits of every group's scale and min to its codes "
+                        "(GPTQ re-runs on each refitted grid but the last, AWQ re-rounds on it; default 2; 0: off)")
     r.add_argument("--per-linear", default=None, metavar="JSON",
                    help="per-linear overrides of --damp/--loss-weight/--anchors/--refits/act_order/clip as a JSON object "
                         "{regex on linear names: {option: value}}, first match wins (default: GPTQ rounds the MLP "

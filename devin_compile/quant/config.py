@@ -106,8 +106,8 @@ class QuantConfig:
     act_order: bool = True  # GPTQ: visit columns by decreasing Hessian diagonal (static groups)
     damp: float = 0.1  # GPTQ: dampening, a fraction of mean(diag H) (raised if Cholesky fails); see gptq.py
     clip: bool = True  # AWQ: clipping search; GPTQ: static groups on the clipping search's grid
-    # GPTQ: rounds of GPTQ each followed by a least-squares refit of every group's scale and min to
-    # its codes, each round on the previous one's grid (0: one plain pass); see gptq.py
+    # GPTQ/AWQ: rounds of least-squares refits of every group's scale and min to its codes (quant/grid_refit.py);
+    # GPTQ re-runs on each refitted grid but the last, AWQ re-rounds to nearest on it (0: off)
     refits: int = 2
     # GPTQ/AWQ objective: H/mean diag H + loss_weight · H_g/mean diag H_g (H_g: the gradient-weighted input
     # Hessian of calibration with output gradients; 0 or no H_g: H alone); see quantize.py

@@ -22,20 +22,17 @@ then dampening: 0.1 · mean(diag H) (the default) gives 0.26x, against 0.28x at 
 shrinking ``H`` towards its diagonal did not help (0.28x); dropping the clipped static grid
 hurt (0.56x against 0.46x on Shakespeare-only statistics).
 
-Grid refit (``refits``, :func:`refit_grid`): GPTQ fixes each group's grid (scale, min) before it
-chooses the codes, so once the codes are chosen the grid is no longer the best one for them. Per
-output row, ``Ŵ = q · scale_g + min_g`` is linear in the row's ``2·G`` grid values, and the output
-error ``(Ŵ − W) H (Ŵ − W)ᵀ`` is a quadratic in them: one ``2G x 2G`` least-squares solve per row
-gives the best grid for the codes (kept only for rows where it lowers the error). With
-``refits = R``, GPTQ runs ``R`` times, each on the previous pass's refitted grid, each followed by
-a refit. Only ``2·G`` numbers a row are fitted (against ``K`` codes), and on SmolLM2 held-out text
-the KL fell on every domain (README, "Grid refit").
+Grid refit (``refits``, :mod:`.grid_refit`): GPTQ fixes each group's grid (scale, min) before it
+chooses the codes, so once the codes are chosen the grid is no longer the best one for them; with
+``refits = R``, GPTQ runs ``R`` times, each pass followed by the least-squares refit of the grid to
+its codes and each pass after the first on the previous one's refitted grid.
 """
 from __future__ import annotations
 
 import torch
 
 from ..backends.int4 import format as fmt
+from .grid_refit import refit_grid
 
 
 def _damped_inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
@@ -53,42 +50,6 @@ def _damped_inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor
         lam *= 10.0
     raise ValueError(f"GPTQ: the Hessian is not positive definite even with dampening {lam:.3g}; "
                      "calibrate on more (or more varied) text")
-
-
-def refit_grid(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
-               group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, minv) [N, G] minimising each row's ``(Ŵ − w) H (Ŵ − w)ᵀ`` for the fixed codes ``q``
-    (``Ŵ = q · scale + minv`` per group); a row keeps ``scale``/``minv`` where the solve does not
-    lower its error (a singular system, e.g. a group whose codes are all equal). A short last
-    group (``K`` not a multiple of ``group_size``) leaves the grid as it is."""
-    n, k = w.shape
-    if k % group_size:
-        return scale, minv
-    g = k // group_size
-    hf, wf = h.float(), w.float()
-    # Solved for (scale, mid) with Ŵ = (q − QMAX/2) · scale + mid: centred codes keep the system
-    # well conditioned in float32 (scale and min are nearly collinear otherwise); minv = mid − scale · QMAX/2.
-    qg = q.float().view(n, g, group_size) - fmt.QMAX / 2
-    # The normal equations [[QᵀHQ, QᵀH1], [1ᵀHQ, 1ᵀH1]] θ = [QᵀHw, 1ᵀHw] with θ = (scale, mid) and
-    # Q/1 the [K, G] group-indicator matrices weighted by the centred codes / by one, built block by block.
-    qh = torch.bmm(qg.transpose(0, 1), hf.view(g, group_size, k)).transpose(0, 1).reshape(n, g, g, group_size)
-    m_qq = (qh * qg[:, None]).sum(-1)  # [N, G, G]: q_gᵀ H_gh q_h
-    m_q1 = qh.sum(-1)  # q_gᵀ H_gh 1
-    m_11 = hf.view(g, group_size, g, group_size).sum((1, 3)).expand(n, g, g)
-    hw = (wf @ hf).view(n, g, group_size)
-    rhs = torch.cat([(qg * hw).sum(-1), hw.sum(-1)], 1).double()
-    lhs = torch.cat([torch.cat([m_qq, m_q1], 2), torch.cat([m_q1.transpose(1, 2), m_11], 2)], 1).double()
-    ridge = 1e-6 * torch.diagonal(lhs, dim1=1, dim2=2).mean(1).clamp(min=1e-30)
-    theta, _info = torch.linalg.solve_ex(lhs + ridge[:, None, None] * torch.eye(2 * g, dtype=lhs.dtype), rhs)
-    s_new = theta[:, :g].float()
-    m_new = theta[:, g:].float() - s_new * (fmt.QMAX / 2)
-
-    def error(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        d = fmt.dequantize(q, s, m, group_size) - wf
-        return ((d @ hf) * d).sum(1)
-
-    ok = torch.isfinite(theta).all(1) & (error(s_new, m_new) < error(scale, minv))
-    return torch.where(ok[:, None], s_new, scale), torch.where(ok[:, None], m_new, minv)
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: float = 0.1,

@@ -15,7 +15,8 @@ whatever the method) with the same error and loss statistics.
 What GPTQ and AWQ's searches minimise is :func:`objective_hessian` (the activation Hessian
 blended with the gradient-weighted one, ``loss_weight``); their grids come from
 :func:`.awq.clip_search` (each end of a group's range moved on its own), optionally anchored on
-each linear's strongest input channels (:mod:`.anchor`, ``anchors``). Each linear is rounded with
+each linear's strongest input channels (:mod:`.anchor`, ``anchors``); then each group's grid is
+refitted to its codes by least squares, ``refits`` rounds (:mod:`.grid_refit`). Each linear is rounded with
 ``config.for_linear(name)``: the top-level options with its ``per_linear`` overrides applied.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
 from .calibration import CalibrationStats, model_fingerprint, output_head, quantizable_linears
 from .config import QuantConfig
+from .grid_refit import refit_and_reround
 from .progress import Progress, ProgressArg
 from .result import QLinear, QuantResult
 
@@ -138,7 +140,7 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                                                 refits=lc.refits)
         elif cfg.method == "awq" and lc.clip:
             sc, mn = anchor_outlier_channels(ws, h_obj, *awq.clip_search(ws, h_obj, g), g, lc.anchors)
-            q = fmt.quantize_with(ws, sc, mn, g)
+            q, sc, mn = refit_and_reround(ws, h_obj, fmt.quantize_with(ws, sc, mn, g), sc, mn, g, lc.refits)
         else:
             q, sc, mn = fmt.rtn_quantize(ws, g)
         dw = fmt.dequantize(q, sc, mn, g) - ws
