@@ -61,23 +61,38 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: fl
     ``grid``: fixed (scale, minv) per group (static groups), e.g. from a clipping search.
     ``refits``: that many rounds of GPTQ, each followed by :func:`refit_grid`, each round after the
     first on the previous round's refitted grid (0: one plain GPTQ pass)."""
-    q, scale, minv, info = _gptq_pass(w, h, group_size, damp, block_size, act_order, grid)
+    prepared = _prepare(w, h, damp, act_order)  # one factorisation for every pass
+    q, scale, minv, info = _gptq_pass(prepared, group_size, block_size, act_order, grid)
     for r in range(refits):
         if r:
-            q, scale, minv, info = _gptq_pass(w, h, group_size, damp, block_size, act_order, (scale, minv))
+            q, scale, minv, info = _gptq_pass(prepared, group_size, block_size, act_order, (scale, minv))
         scale, minv = refit_grid(w, h, q, scale, minv, group_size)
     return q, scale, minv, {**info, "refits": refits}
 
 
-def _gptq_pass(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float, block_size: int,
-               act_order: bool, grid: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """One GPTQ pass (the module docstring's steps)."""
-    n, k = w.shape
+def _prepare(w: torch.Tensor, h: torch.Tensor, damp: float,
+             act_order: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(W with dead columns zeroed, the column visiting order, the upper factor ``U`` of the damped
+    inverse Hessian in that order, the dampening used)."""
     W = w.detach().float().clone()
     H = h.detach().double().clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        H = H[perm][:, perm]
+    else:
+        perm = torch.arange(w.shape[1])
+    U, lam = _damped_inverse_cholesky(H, damp)
+    return W, perm, U.float(), lam
+
+
+def _gptq_pass(prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float], group_size: int, block_size: int,
+               act_order: bool, grid: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """One GPTQ pass (the module docstring's steps) on :func:`_prepare`'s output."""
+    W, perm, U, lam = prepared
+    n, k = W.shape
     ng = fmt.num_groups(k, group_size)
     scale = torch.empty(n, ng)
     minv = torch.empty(n, ng)
@@ -86,13 +101,6 @@ def _gptq_pass(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float, b
         s0, m0 = grid if grid is not None else fmt.params_from_range(*fmt.group_minmax(W, group_size))
         scale.copy_(s0)
         minv.copy_(m0)
-    if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        H = H[perm][:, perm]
-    else:
-        perm = torch.arange(k)
-    U, lam = _damped_inverse_cholesky(H, damp)
-    U = U.float()
     # Work on Wᵀ [K, N]: each column of W is a contiguous row, so a column's quantization and its
     # rank-1 error update of the block's later columns (``addr_``) stream through memory.
     Wt = (W.t()[perm] if act_order else W.t()).contiguous()

@@ -46,8 +46,12 @@ def refit_grid(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: torch.T
     theta, _info = torch.linalg.solve_ex(lhs + ridge[:, None, None] * torch.eye(2 * g, dtype=lhs.dtype), rhs)
     s_new = theta[:, :g].float()
     m_new = theta[:, g:].float() - s_new * (fmt.QMAX / 2)
-    ok = torch.isfinite(theta).all(1) & (s_new > 0).all(1)
-    ok &= _row_error(w, h, q, s_new, m_new, group_size) < _row_error(w, h, q, scale, minv, group_size)
+
+    def error(th: torch.Tensor) -> torch.Tensor:  # the row's error up to the constant w H wᵀ
+        return (torch.bmm(lhs, th[..., None])[..., 0] * th).sum(1) - 2 * (rhs * th).sum(1)
+
+    theta_old = torch.cat([scale, minv + scale * (fmt.QMAX / 2)], 1).double()
+    ok = torch.isfinite(theta).all(1) & (s_new > 0).all(1) & (error(theta) < error(theta_old))
     return torch.where(ok[:, None], s_new, scale), torch.where(ok[:, None], m_new, minv)
 
 
