@@ -549,6 +549,8 @@ def test_grid_refit_is_the_least_squares_grid_for_the_codes():
     assert bool((after <= before).all()) and float(after.sum()) < 0.9 * float(before.sum())
     q3, s3, m3 = fmt.rtn_quantize(w[:, :100], g)  # 100 = 3 x 32 + 4
     assert grid_refit.refit_grid(w[:, :100], h[:100, :100], q3, s3, m3, g) == (s3, m3)
+    plain, refitted = (gptq.gptq_quantize(w[:, :100], h[:100, :100], g, refits=r) for r in (0, 2))
+    assert refitted[3]["refits"] == 0 and all(torch.equal(a, b) for a, b in zip(plain[:3], refitted[:3]))
 
 
 def test_grid_refits_lower_the_output_error_on_seen_and_unseen_tokens():

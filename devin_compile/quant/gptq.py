@@ -60,7 +60,10 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, *, damp: fl
 
     ``grid``: fixed (scale, minv) per group (static groups), e.g. from a clipping search.
     ``refits``: that many rounds of GPTQ, each followed by :func:`refit_grid`, each round after the
-    first on the previous round's refitted grid (0: one plain GPTQ pass)."""
+    first on the previous round's refitted grid (0: one plain GPTQ pass; also where ``group_size``
+    does not divide ``K``, reported in ``info["refits"]``)."""
+    if w.shape[1] % group_size:
+        refits = 0  # a short last group: refit_grid leaves the grid as it is, so more passes change nothing
     prepared = _prepare(w, h, damp, act_order)  # one factorisation for every pass
     q, scale, minv, info = _gptq_pass(prepared, group_size, block_size, act_order, grid)
     for r in range(refits):
