@@ -72,9 +72,9 @@ def add_arguments(p) -> None:
                    help="GPTQ/AWQ: rounds of least-squares refits of every group's scale and min to its codes "
                         "(GPTQ re-runs on each refitted grid but the last, AWQ re-rounds on it; default 2; 0: off)")
     r.add_argument("--per-linear", default=None, metavar="JSON",
-                   help="per-linear overrides of --damp/--loss-weight/--anchors/--refits/act_order/clip as a JSON object "
-                        "{regex on linear names: {option: value}}, first match wins (default: GPTQ rounds the MLP "
-                        "input projections with loss_weight 0 and damp 0.5; '{}': none)")
+                   help="per-linear overrides of --damp/--loss-weight/--anchors/--refits/act_order/clip as a JSON "
+                        "object {regex on linear names: {option: value}}, first match wins (default: GPTQ rounds "
+                        "the MLP input projections with loss_weight 0 and damp 0.5; '{}': none)")
     r.add_argument("--lm-head", action="store_true",
                    help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
     r.add_argument("--out", required=True, metavar="DIR",
@@ -169,8 +169,7 @@ def quantize(args) -> int:
                       tiers=args.tiers, act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
                       **{k: v for k, v in (("damp", args.damp), ("loss_weight", args.loss_weight),
                                            ("anchors", args.anchors), ("refits", args.refits),
-                                           ("per_linear", _json_option(args.per_linear,
-                                                                                                  "--per-linear")))
+                                           ("per_linear", _json_option(args.per_linear, "--per-linear")))
                          if v is not None})
     calib = Path(args.calib)
     if not (calib / META_FILE).is_file() or not (calib / STATS_FILE).is_file():

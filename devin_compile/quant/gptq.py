@@ -91,8 +91,9 @@ def _prepare(w: torch.Tensor, h: torch.Tensor, damp: float,
     return W, perm, U.float(), lam
 
 
-def _gptq_pass(prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float], group_size: int, block_size: int,
-               act_order: bool, grid: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+def _gptq_pass(prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float], group_size: int,
+               block_size: int, act_order: bool,
+               grid: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """One GPTQ pass (the module docstring's steps) on :func:`_prepare`'s output."""
     W, perm, U, lam = prepared
     n, k = W.shape
