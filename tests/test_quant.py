@@ -922,6 +922,23 @@ def test_bad_quantization_options(bad, match):
         devin_compile.optimize(_tiny(), quantization=bad)
 
 
+def test_compare_reports_top1_agreement_and_its_spread_over_chunks():
+    """Two chunks: one where every argmax agrees, one where none does (the logits are negated):
+    top-1 0.5, and the per-chunk values 1 and 0 give a standard error of 0.5."""
+    from devin_compile.quant.evaluate import compare, reference_logits
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(32, 32, generator=gen)
+    chunks = [torch.randint(0, 32, (9,), generator=gen) for _ in range(2)]
+    ref_fn = lambda ids: table[ids]  # noqa: E731  ([1, L] → [1, L, V])
+    ref = reference_logits(ref_fn, chunks)
+    q = compare(lambda ids: -table[ids] if any(torch.equal(ids[0], c) for c in chunks[1:]) else table[ids],
+                chunks, ref)
+    assert q.tokens == 16 and q.top1 == 0.5 and q.top1_chunk_se == pytest.approx(0.5)
+    same = compare(ref_fn, chunks, ref)
+    assert same.top1 == 1.0 and same.top1_chunk_se == 0.0 and same.kl == pytest.approx(0.0, abs=1e-6)
+    assert compare(ref_fn, chunks[:1], ref[:1]).top1_chunk_se == 0.0
+
+
 def test_calibration_text_too_short(tmp_path):
     f = tmp_path / "short.txt"
     f.write_text("To be, or not to be")

@@ -57,7 +57,9 @@ def test_calibrate_run_validate_on_smollm2(tmp_path, capsys):
     assert len(rep["layers"]) == 120 and all(r["precision"] == "int4" for r in rep["layers"])
     assert {r["group_size"] for r in rep["layers"]} == {64, 128}  # down_proj's K=1536 takes 128
     assert rep["int4_bytes_total"] < rep["fp_bytes_total"] / 5
+    assert 0 <= quality["top1_chunk_se"] < 0.5
     assert (q / "validate.md").read_text().startswith("# Validation of")
+    assert "| top-1, standard error over chunks |" in (q / "validate.md").read_text()
     # the saved artifact does not match another model: a clear error
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -5,7 +5,9 @@ compared at every position that predicts a next token (``L - 1`` per chunk):
 
 - perplexity: ``exp(mean NLL)`` of the true next token, for each model;
 - KL divergence ``KL(p_ref ‖ p_quant)`` over the full vocabulary, mean over positions;
-- top-1 agreement: fraction of positions where both argmaxes agree.
+- top-1 agreement: fraction of positions where both argmaxes agree, and the standard error of
+  the mean of its per-chunk values (``top1_chunk_se``: how much the figure depends on which chunks
+  were read; 0 with one chunk).
 
 ``logits_fn`` maps a [1, L] id tensor to [1, L, V] logits (an HF model's ``.logits``, an
 ``OptimizedModel`` call, ...). Reference logits can be computed once and reused.
@@ -47,6 +49,7 @@ class Quality:
     kl: float
     top1: float
     tokens: int
+    top1_chunk_se: float = 0.0
 
     @property
     def ppl_increase(self) -> float:
@@ -66,6 +69,7 @@ def compare(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor], ref: Sequence[t
             progress: ProgressArg = False) -> Quality:
     nll_ref = nll = kl = agree = 0.0
     n = 0
+    per_chunk = []
     bar = Progress(progress, len(chunks), "evaluating")
     for i, (chunk, r) in enumerate(zip(chunks, ref)):
         q = logits_fn(chunk.reshape(1, -1))[0, :-1].float()
@@ -74,11 +78,14 @@ def compare(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor], ref: Sequence[t
         nll_ref += float(-lr.gather(1, target[:, None]).sum())
         nll += float(-lq.gather(1, target[:, None]).sum())
         kl += float((lr.exp() * (lr - lq)).sum())
-        agree += float((r.argmax(-1) == q.argmax(-1)).sum())
+        same = float((r.argmax(-1) == q.argmax(-1)).sum())
+        agree += same
+        per_chunk.append(same / target.numel())
         n += target.numel()
         bar.update(i + 1)
     bar.__exit__()
-    return Quality(math.exp(nll_ref / n), math.exp(nll / n), kl / n, agree / n, n)
+    se = float(torch.tensor(per_chunk).std()) / math.sqrt(len(per_chunk)) if len(per_chunk) > 1 else 0.0
+    return Quality(math.exp(nll_ref / n), math.exp(nll / n), kl / n, agree / n, n, se)
 
 
 def validate(model: torch.nn.Module, tokenizer, quantized: str, *, optimize: Callable[..., Any],
