@@ -553,14 +553,20 @@ def test_grid_refit_is_the_least_squares_grid_for_the_codes():
     assert refitted[3]["refits"] == 0 and all(torch.equal(a, b) for a, b in zip(plain[:3], refitted[:3]))
 
 
+def _fitted_and_unseen(k, n, g, tokens, seed):
+    """(w [n, k], H of the fitted tokens, H of unseen tokens from the same distribution, the
+    clipping search's grid on the fitted H)."""
+    fit, unseen = _correlated_inputs(k, tokens, seed), _correlated_inputs(k, tokens, seed + 7)
+    h, h_new = fit.t() @ fit / tokens, unseen.t() @ unseen / tokens
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return w, h, h_new, awq.clip_search(w, h, g)
+
+
 def test_grid_refits_lower_the_output_error_on_seen_and_unseen_tokens():
     """Fitted on one sample of tokens, measured on it and on another from the same distribution."""
     k, n, g = 128, 96, 32
     for seed in range(3):
-        fit, unseen = _correlated_inputs(k, 512, seed), _correlated_inputs(k, 512, seed + 7)
-        h, h_new = fit.t() @ fit / 512, unseen.t() @ unseen / 512
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-        grid = awq.clip_search(w, h, g)
+        w, h, h_new, grid = _fitted_and_unseen(k, n, g, 512, seed)
         seen, new = [], []
         for refits in (0, 1, 2):
             q, s, m, info = gptq.gptq_quantize(w, h, g, act_order=True, grid=grid, refits=refits)
@@ -580,10 +586,7 @@ def test_refit_and_reround_lowers_the_output_error_on_seen_and_unseen_tokens():
     8192 tokens for 576-1536; there the held-out KL fell on every domain, README)."""
     k, n, g = 128, 96, 32
     for seed in range(3):
-        fit, unseen = _correlated_inputs(k, 4096, seed), _correlated_inputs(k, 4096, seed + 7)
-        h, h_new = fit.t() @ fit / 4096, unseen.t() @ unseen / 4096
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-        grid = awq.clip_search(w, h, g)
+        w, h, h_new, grid = _fitted_and_unseen(k, n, g, 4096, seed)
         q0 = fmt.quantize_with(w, *grid, g)
         before = awq.output_error(fmt.dequantize(q0, *grid, g) - w, h)
         q, s, m = grid_refit.refit_and_reround(w, h, q0, *grid, g, 2)

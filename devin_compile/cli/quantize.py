@@ -207,7 +207,7 @@ def validation_markdown(rep: dict) -> str:
              f"| perplexity increase | {q['ppl_increase']:+.2%} |",
              f"| KL(ref ‖ quant), mean per token | {q['kl']:.4f} |",
              f"| top-1 agreement | {q['top1']:.2%} |",
-             f"| top-1, standard error over chunks | {q.get('top1_chunk_se', 0.0):.2%} |",
+             f"| top-1, standard error over chunks | {q['top1_chunk_se']:.2%} |",
              f"| decoder-linear weight bytes | {rep['int4_bytes_total']} (vs {rep['fp_bytes_total']} unquantized) |",
              "| linears per precision | " + ", ".join(f"{p} {n}" for p, n in rep.get("precision_counts", {}).items())
              + " |",

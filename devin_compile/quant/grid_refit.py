@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.int4 import format as fmt
+from .awq import output_error
 
 
 def refit_grid(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
@@ -63,13 +64,7 @@ def refit_and_reround(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: 
     for _ in range(rounds):
         scale, minv = refit_grid(w, h, q, scale, minv, group_size)
         q_new = fmt.quantize_with(w, scale, minv, group_size)
-        err_new, err_old = (_row_error(w, h, c, scale, minv, group_size) for c in (q_new, q))
+        err_new, err_old = (output_error(fmt.dequantize(c, scale, minv, group_size) - w.float(), h.float())
+                            for c in (q_new, q))
         q = torch.where((err_new < err_old)[:, None], q_new, q)
     return q, scale, minv
-
-
-def _row_error(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor,
-               group_size: int) -> torch.Tensor:
-    """Per-row ``(Ŵ − w) H (Ŵ − w)ᵀ`` of the codes ``q`` on the grid (scale, minv)."""
-    d = fmt.dequantize(q, scale, minv, group_size) - w.float()
-    return ((d @ h.float()) * d).sum(1)
