@@ -1,7 +1,7 @@
 """INT4 quality on text the calibration never saw: perplexity change per held-out domain.
 
     python bench/quant_domains.py [--calib shipped|shakespeare ...] [--methods rtn awq gptq] [--group-size 64]
-                                  [--eval-chunks 4] [--variants '{"damp": 0.1}' ...] [--out bench/results/quant-domains.json]
+                                  [--eval-chunks 4] [--domains legal ...] [--variants '{"damp": 0.1}' ...] [--out bench/results/quant-domains.json]
     python bench/quant_domains.py --three-tier --methods gptq awq [--memory-fraction 0.5] [--eval-chunks 2]
                                   [--out bench/results/quant-three-tier.json]
 
@@ -165,6 +165,8 @@ def main() -> int:
     ap.add_argument("--methods", nargs="+", default=["rtn", "awq", "gptq"])
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--eval-chunks", type=int, default=4)
+    ap.add_argument("--domains", nargs="+", default=None,
+                    help="evaluate only these held-out domains (default: every one found on this machine)")
     ap.add_argument("--calib-chunks", type=int, default=16)
     ap.add_argument("--variants", nargs="*", default=[], help="extra GPTQ option dicts (JSON) to try")
     ap.add_argument("--no-mixed", action="store_true")
@@ -178,6 +180,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="devin_quant_domains_"))
     model, tok = load_model(None, torch.float32)
     sources = domain_sources(work)
+    if args.domains:
+        unknown = sorted(set(args.domains) - set(sources))
+        if unknown:
+            ap.error(f"--domains: unknown {unknown}; choose from {sorted(sources)}")
+        sources = {k: v for k, v in sources.items() if k in args.domains}
     evals, refs = {}, {}
     for name, files in sources.items():
         evals[name] = token_chunks(load_token_stream(tok, files), args.eval_chunks, 512, from_end=True,
@@ -196,11 +203,13 @@ def main() -> int:
         for name in evals:
             row["domains"][name] = compare(hf_logits_fn(sim), evals[name], refs[name]).as_dict()
         held = [d for d in row["domains"] if d != "shakespeare"]  # genres neither calibration has
-        row["held_out_mean_ppl_increase"] = sum(row["domains"][d]["ppl_increase"] for d in held) / len(held)
+        row["held_out_mean_ppl_increase"] = (sum(row["domains"][d]["ppl_increase"] for d in held) / len(held)
+                                             if held else None)
         out["rows"].append(row)
         cells = "  ".join(f"{d} {row['domains'][d]['ppl_increase']:+6.1%}/{row['domains'][d]['top1']:.0%}"
                           for d in row["domains"])
-        log(f"{calib:11} {label:34} {cells}  held-out mean {row['held_out_mean_ppl_increase']:+.1%}")
+        mean = row["held_out_mean_ppl_increase"]
+        log(f"{calib:11} {label:34} {cells}" + (f"  held-out mean {mean:+.1%}" if held else ""))
         return row
 
     if args.three_tier:
