@@ -178,13 +178,13 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="devin_quant_domains_"))
-    model, tok = load_model(None, torch.float32)
     sources = domain_sources(work)
     if args.domains:
         unknown = sorted(set(args.domains) - set(sources))
         if unknown:
             ap.error(f"--domains: unknown {unknown}; choose from {sorted(sources)}")
         sources = {k: v for k, v in sources.items() if k in args.domains}
+    model, tok = load_model(None, torch.float32)
     evals, refs = {}, {}
     for name, files in sources.items():
         evals[name] = token_chunks(load_token_stream(tok, files), args.eval_chunks, 512, from_end=True,
