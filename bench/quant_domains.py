@@ -18,7 +18,7 @@ tokens from the end of each domain's text, all of it kept out of the shipped cal
 
 For each calibration and method at ``--group-size``: perplexity increase against the
 unquantized model, KL(ref ‖ quant) over the vocabulary and top-1 agreement per domain, and
-their mean over legal, changelog and build-docs (genres neither calibration holds). Then mixed precision at
+their mean over legal, changelog and build-docs (genres neither calibration holds; those ``--domains`` keeps). Then mixed precision at
 ``int4_fraction=0.8`` on the GPTQ result: the linears ``assign_precision`` keeps by estimated
 loss increase, against a sensitivity-blind choice of the same fp32 share (evenly spaced).
 Models are the eager simulation of the compiled model (``quant.simulate``: the same
@@ -209,7 +209,7 @@ def main() -> int:
         cells = "  ".join(f"{d} {row['domains'][d]['ppl_increase']:+6.1%}/{row['domains'][d]['top1']:.0%}"
                           for d in row["domains"])
         mean = row["held_out_mean_ppl_increase"]
-        log(f"{calib:11} {label:34} {cells}" + (f"  held-out mean {mean:+.1%}" if held else ""))
+        log(f"{calib:11} {label:34} {cells}" + (f"  held-out mean {mean:+.1%}" if mean is not None else ""))
         return row
 
     if args.three_tier:
