@@ -65,7 +65,7 @@ from devin_compile.quant import artifact  # noqa: E402
 from devin_compile.quant.calibration import calibration_and_eval_chunks, collect_stats, load_token_stream  # noqa: E402
 from devin_compile.quant.evaluate import compare, hf_logits_fn, optimized_logits_fn, reference_logits  # noqa: E402
 from devin_compile.ops.upcast_linear import upcast_linear  # noqa: E402
-from devin_compile.ops.prepacked_linear import prepack_supported  # noqa: E402
+from devin_compile.ops.onednn_linear import onednn_supports  # noqa: E402
 
 PROMPT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
           "First Citizen:\nYou are all resolved rather to die than to famish?\n")
@@ -298,7 +298,7 @@ def kernels(args, out: dict) -> None:
         gen = torch.Generator().manual_seed(0)
         # the dense path devin-compile itself takes on this CPU: oneDNN prepacked weights where
         # oneDNN supports the dtype natively, else upcast_linear (fp32 GEMMs from 8 rows)
-        packed = prepack_supported(dtype)
+        packed = onednn_supports(dtype)
         dense_name = f"{str(dtype)[6:]} oneDNN" if packed else f"{str(dtype)[6:]} upcast_linear"
         int4_kernels = (["cpu_c"] if c_kernel else []) + (["cpu"] if k4.cpu_kernel_fast("cpu", dtype) else [])
         weights = {name: [] for name in int4_kernels}
@@ -371,7 +371,7 @@ def fp8(args, out: dict) -> None:
         rows = []
         for dtype in (torch.bfloat16, torch.float32):
             dense = {"F.linear": [w.to(dtype) for w in ws]}
-            if prepack_supported(dtype):
+            if onednn_supports(dtype):
                 dense["oneDNN"] = [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 1) for w in ws]
             for m in (1, 4, 8, 16):
                 x = torch.randn(m, k).to(dtype)

@@ -61,7 +61,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     program = Program({"main": gm})
     ctx = PassContext(info=info, config=config, scratch_step=scratch_steps(info))
     probe = make_probe(info, info.device) if config.verify else None
-    report = PassManager(default_passes(config, info, offload_roles, quant), dump_dir=config.dump_dir,
+    report = PassManager(default_passes(config, offload_roles, quant), dump_dir=config.dump_dir,
                          probe=probe).run(program, ctx)
     spec = KVCacheSpec(info.num_layers, dtype=info.dtype, block_size=config.cache.block_size, **info.kv_cache_layout)
     nblocks = blocks_for_budget(spec, info.device, num_blocks=config.cache.num_blocks,
@@ -82,8 +82,8 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
                          hf_config=getattr(model, "config", None))
     opt.proposer_factory = proposers
     opt.quant_result = quant[0] if quant is not None else None
-    opt.precision_table = ctx.extras.get("precision_table", [])
-    opt.quant_note = next((r.note for r in report.records if r.name == "assign_precision"), "")
+    opt.precision_table = ctx.outputs.precision_table
+    opt.quant_note = ctx.outputs.precision_note
     return opt
 
 

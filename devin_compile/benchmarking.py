@@ -32,10 +32,10 @@ def hf_peer_dtype(model) -> tuple[torch.dtype, str]:
     """The dtype to time HF eager in, and why when it is not the model's: a CPU model in bfloat16 or
     float16 without native oneDNN GEMMs for it (e.g. AVX2 without AVX-512 BF16/AMX) runs HF's linears
     on a slow fallback (~0.5 tok/s on SmolLM2), so its fair peer there is HF in float32."""
-    from .ops.prepacked_linear import prepack_supported  # oneDNN has native kernels for the dtype
+    from .ops.onednn_linear import onednn_supports  # oneDNN has native kernels for the dtype
 
     p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype == torch.float32 or prepack_supported(p.dtype):
+    if p.device.type != "cpu" or p.dtype == torch.float32 or onednn_supports(p.dtype):
         return p.dtype, ""
     return torch.float32, f"{str(p.dtype).replace('torch.', '')} is not native on this CPU"
 

@@ -1,9 +1,20 @@
-"""Small FX helpers shared by passes: new nodes with shape metadata, arg walking."""
+"""The FX helpers passes share (the one module for them: a pass imports no other pass).
+
+- reading a graph: :func:`fake_value`, :func:`node_shape`, :func:`has_shape`, :func:`is_call`,
+  :func:`param_of`, :func:`linear_bias`, :func:`is_logits_linear`, :func:`cpu_linears`,
+  :func:`grouped_mm_fallback_op`, :func:`is_expert_transpose`, :func:`transposed_expert_weight`;
+- writing it: :func:`add_call` (a node with its fake value), :func:`add_constant` (a tensor the
+  graph reads), :func:`fake_like`, :func:`swap_call` (a node for another, same metadata),
+  :func:`replace_matches` (the match → insert → replace → dead-code loop of a rewrite pass),
+  :func:`eliminate_dead_code`, :func:`remove_unused_attributes`, :func:`copy_graph`;
+- reporting: :func:`count_nodes`, :func:`counted_nodes`, :func:`node_delta`, :func:`describe_value`.
+"""
 from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.fx
@@ -122,3 +133,175 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 category=FutureWarning)
         return copy.deepcopy(graph)
+
+
+# --------------------------------------------------------------------------- weights and linears
+
+
+def param_of(gm: torch.fx.GraphModule, node: Any) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node reads (None for any other node or value)."""
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        owner = gm.get_submodule(node.target.rpartition(".")[0]) if "." in node.target else gm
+        return getattr(owner, node.target.rpartition(".")[2])
+    return None
+
+
+def fake_like(reference_node: torch.fx.Node, tensor: torch.Tensor) -> Any:
+    """A fake tensor for ``tensor`` in the fake mode of ``reference_node``'s value (None without one)."""
+    mode = getattr(reference_node.meta.get("val"), "fake_mode", None)
+    return mode.from_tensor(tensor) if mode is not None else None
+
+
+def add_constant(gm: torch.fx.GraphModule, name: str, tensor: torch.Tensor, val: Any = None, *,
+                 persistent: bool = False) -> torch.fx.Node:
+    """Register ``tensor`` as buffer ``name`` of ``gm`` (once) and read it with a ``get_attr`` node at
+    the graph's insertion point; ``val`` becomes the node's ``meta['val']`` (shown in dumps)."""
+    if name not in gm._buffers:
+        gm.register_buffer(name, tensor, persistent=persistent)
+    node = gm.graph.get_attr(name)
+    node.meta["val"] = val
+    return node
+
+
+def linear_bias(node: torch.fx.Node) -> Any:
+    """The bias argument of an ``aten.linear`` node (None when it has none)."""
+    return node.args[2] if len(node.args) > 2 else None
+
+
+def is_logits_linear(node: torch.fx.Node) -> bool:
+    """The linear whose output reaches the graph output without another linear in between (lm_head)."""
+    if not is_call(node, aten.linear.default) or node.args[1].op != "get_attr":
+        return False
+    frontier, seen = list(node.users), set()
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output":
+            return True
+        if is_call(n, aten.linear.default):
+            return False
+        frontier.extend(n.users)
+    return False
+
+
+def cpu_linears(gm: torch.fx.GraphModule, dtypes: tuple[torch.dtype, ...] | None = None):
+    """(node, weight, bias node) for each ``aten.linear`` whose weight is a 2-D floating CPU
+    parameter (of one of ``dtypes``, when given); a list, so callers may rewrite as they go."""
+    out = []
+    for node in gm.graph.nodes:
+        if not is_call(node, aten.linear.default):
+            continue
+        w = param_of(gm, node.args[1])
+        if w is None or w.dim() != 2 or not w.dtype.is_floating_point or w.device.type != "cpu":
+            continue
+        if dtypes is not None and w.dtype not in dtypes:
+            continue
+        out.append((node, w, linear_bias(node)))
+    return out
+
+
+def grouped_mm_fallback_op() -> Any:
+    """``torch.ops.transformers.grouped_mm_fallback``: HF's MoE expert GEMMs as exported on CPU
+    (None where transformers registers no such op)."""
+    ns = getattr(torch.ops, "transformers", None)
+    try:
+        return ns.grouped_mm_fallback.default if ns is not None else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def is_expert_transpose(node: Any) -> bool:
+    """``node`` is ``transpose(W, -2, -1)`` of a 3-D value (HF's expert weights [E, out, in], transposed)."""
+    return is_call(node, aten.transpose.int) and sorted(a % 3 for a in node.args[1:3]) == [1, 2]
+
+
+def transposed_expert_weight(gm: torch.fx.GraphModule, node: Any) -> torch.Tensor | None:
+    """W when ``node`` is ``transpose(W, -2, -1)`` of a 3-D parameter W [E, out, in] (HF's expert layout)."""
+    if not is_expert_transpose(node):
+        return None
+    w = param_of(gm, node.args[0])
+    return w if w is not None and w.dim() == 3 else None
+
+
+# --------------------------------------------------------------------------- rewriting
+
+_EXPORT_ASSERTS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+                   aten.sym_constrain_range_for_size.default}
+
+
+def _is_impure(node: torch.fx.Node) -> bool:
+    """Random ops (e.g. SDPA's dropout, p=0 in eval) are not side effects here; devin:: ops
+    (which write the KV cache) always are."""
+    if node.op == "call_function" and getattr(node.target, "namespace", None) == "devin":
+        return True
+    return node.is_impure(impure_random=False)
+
+
+def eliminate_dead_code(gm: torch.fx.GraphModule) -> int:
+    """Remove torch.export's metadata asserts, then unreachable nodes and parameters; returns the
+    nodes removed. The asserts (``_assert_tensor_metadata``, ...) have no users but count as side
+    effects, so plain DCE would keep whatever they check (e.g. the whole causal-mask subgraph)
+    alive; the runtime validates its own inputs. The graph is not recompiled here: the pass
+    manager recompiles once after each pass."""
+    before = count_nodes(gm)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _EXPORT_ASSERTS:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    remove_unused_attributes(gm)
+    return before - count_nodes(gm)
+
+
+def swap_call(graph: torch.fx.Graph, node: torch.fx.Node, target: Callable, args: tuple,
+              kwargs: dict | None = None) -> torch.fx.Node:
+    """Replace ``node`` by ``target(*args, **kwargs)`` inserted before it, with ``node``'s metadata
+    (same shape, dtype and module stack); ``node`` is erased."""
+    with graph.inserting_before(node):
+        new = graph.call_function(target, args, kwargs or {})
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
+M = TypeVar("M")
+
+
+def each_match(gm: torch.fx.GraphModule, match: Callable[[torch.fx.Node], M | None]) -> Iterator[tuple[torch.fx.Node, M]]:
+    """``(node, match(node))`` for the graph's nodes (as they were when it started) that match."""
+    for node in list(gm.graph.nodes):
+        m = match(node)
+        if m is not None:
+            yield node, m
+
+
+@dataclass
+class Rewritten:
+    """What :func:`replace_matches` did: ``count`` replacements, from the counted nodes ``before``."""
+
+    count: int
+    before: set[torch.fx.Node]
+
+    def delta(self, gm: torch.fx.GraphModule) -> str:
+        """``"A nodes added, R removed"`` since the rewrite started (see :func:`node_delta`)."""
+        return node_delta(gm, self.before)
+
+
+def replace_matches(gm: torch.fx.GraphModule, matches: Iterable[tuple[torch.fx.Node, M]],
+                    build: Callable[[torch.fx.Graph, torch.fx.Node, M], torch.fx.Node]) -> Rewritten:
+    """A rewrite pass's loop. For each ``(old, match)``, ``build(graph, old, match)`` inserts the
+    replacement before ``old`` and returns its output node, to which ``old``'s uses move; the
+    matched chain, dead then, is removed at the end. ``matches`` is read lazily (each match sees
+    the graph as rewritten so far), e.g. :func:`each_match`."""
+    graph = gm.graph
+    before = counted_nodes(gm)
+    count = 0
+    for old, match in matches:
+        with graph.inserting_before(old):
+            new = build(graph, old, match)
+        old.replace_all_uses_with(new)
+        count += 1
+    eliminate_dead_code(gm)
+    return Rewritten(count, before)

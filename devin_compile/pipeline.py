@@ -4,8 +4,8 @@ A :class:`Program` is a set of named FX graphs (``main`` after capture; ``prefil
 ``decode`` once phases are split). A :class:`Pass` rewrites a Program in place and
 returns a :class:`PassResult`; it never holds runtime state. The manager
 
-1. validates the order: a networkx DAG of each pass's ``requires`` (a cycle or a
-   prerequisite that is missing or scheduled later is a ``ValueError``);
+1. validates the order: each pass's ``requires`` (a cycle, or a prerequisite that is missing or
+   scheduled later, is a ``ValueError``; the pass table also checks its rows' ``after``);
 2. runs each pass, lints every graph after it, and records time, matches and node counts;
    graphs are recompiled (Python code regenerated, ~50 ms per graph here) only where code
    runs: before a pass that sets ``runs_graphs``, before a probe, and once at the end;
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager, Protocol, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Protocol, Sequence, TypeVar
 
 import networkx as nx
 import torch
@@ -29,6 +29,8 @@ from .capture import ModelInfo
 from .config import OptimizeConfig
 from .graph_utils import count_nodes, describe_value
 from .step import StepContext
+
+T = TypeVar("T")
 
 
 class PassError(RuntimeError):
@@ -67,21 +69,52 @@ class ScratchStep(Protocol):
     def __call__(self, query_lens: Sequence[int]) -> ContextManager[StepContext]: ...
 
 
+class SharedWeights:
+    """Copies of weights a pass makes once per program for every graph of it to read.
+
+    The prefill and decode graphs share their weight tensors (``split_phases``), so a pass that
+    replaces a weight by a packed copy makes the copy once and both graphs read it:
+    ``ctx.shared_weights.get("onednn_linear", (w,), lambda: prepack_weight(w))``. A copy is keyed
+    by the pass's ``kind`` and the identity of its source tensors, which the graphs keep alive
+    while the pass runs."""
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[str, tuple[int, ...]], Any] = {}
+
+    def get(self, kind: str, sources: Sequence[torch.Tensor], make: Callable[[], T]) -> T:
+        """The ``kind`` copy of ``sources``, made by ``make()`` the first time it is asked for."""
+        key = (kind, tuple(id(t) for t in sources))
+        if key not in self._copies:
+            self._copies[key] = make()
+        return self._copies[key]
+
+
+@dataclass
+class PassOutputs:
+    """What passes hand back to whoever runs the pipeline (``optimize()`` reads it)."""
+
+    # assign_precision: one row per quantized-model linear (precision, bits, group size, sensitivity,
+    # bytes), and its report note.
+    precision_table: list[dict[str, Any]] = field(default_factory=list)
+    precision_note: str = ""
+
+
 @dataclass
 class PassContext:
     """What a pass may read besides the graphs; it holds no runtime state.
 
     ``info``: the captured model (None for Dynamo graphs in the torch.compile backend);
-    ``config``: the typed options, where a pass reads the flags of other passes (e.g.
+    ``config``: the typed options, where a pass reads the decisions of other passes (e.g.
     ``config.compile_decode``); ``scratch_step``: handed in by whoever runs the pipeline
     (``optimize()``: ``runtime.scratch``), for passes that run a graph, None where no runtime
-    exists; ``extras``: what passes leave for later passes or the caller (shared prepacked
-    weights, the precision table)."""
+    exists; ``shared_weights``: packed weight copies the graphs of the program share;
+    ``outputs``: what passes leave for the caller (the precision table)."""
 
     info: ModelInfo | None
     config: OptimizeConfig = field(default_factory=OptimizeConfig)
     scratch_step: ScratchStep | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    shared_weights: SharedWeights = field(default_factory=SharedWeights)
+    outputs: PassOutputs = field(default_factory=PassOutputs)
 
 
 @dataclass
@@ -187,17 +220,16 @@ class PassManager:
         self.validate_order()
 
     def validate_order(self) -> None:
-        g = nx.DiGraph()
+        """Every pass's ``requires`` runs before it: a cycle, or a prerequisite missing or scheduled
+        later, is a ``ValueError`` (the cycle named first: no order could satisfy it)."""
         position = {p.name: i for i, p in enumerate(self.passes)}
-        for p in self.passes:
-            g.add_node(p.name)
-            for req in p.requires:
-                g.add_edge(req, p.name)
+        needs = nx.DiGraph([(req, p.name) for p in self.passes for req in p.requires])
         try:
-            cycle = nx.find_cycle(g)
-            raise ValueError(f"pass requirements form a cycle: {' -> '.join(a for a, _ in cycle)}")
+            cycle = nx.find_cycle(needs)
         except nx.NetworkXNoCycle:
-            pass
+            cycle = None
+        if cycle:
+            raise ValueError(f"pass requirements form a cycle: {' -> '.join(a for a, _ in cycle)}")
         for p in self.passes:
             for req in p.requires:
                 if req not in position:

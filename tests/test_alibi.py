@@ -21,7 +21,7 @@ from devin_compile import optimize
 from devin_compile.backends.attention.kv_write import write_kv
 from devin_compile.backends.attention.registry import get_backend
 from devin_compile.backends.attention.torch_reference import reference_paged_attention
-from devin_compile.passes.alibi_bias import fit_alibi
+from devin_compile.passes.attention_to_paged.alibi import fit_alibi
 from devin_compile.pipeline import PassError
 
 

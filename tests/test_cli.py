@@ -151,9 +151,9 @@ def test_run_prints_full_pass_names_when_piped(tmp_path, capsys):
 
 
 def test_hf_peer_runs_in_float32_where_bf16_is_not_native(tmp_path, capsys, monkeypatch):
-    import devin_compile.ops.prepacked_linear as prepack
+    import devin_compile.ops.onednn_linear as onednn
 
-    monkeypatch.setattr(prepack, "prepack_supported", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(onednn, "onednn_supports", lambda dtype: dtype == torch.float32)
     model = _tiny_llama(tmp_path / "tiny")
     assert main(["run", "--model", str(model), "--dtype", "bfloat16", "--max-new-tokens", "2", "--bench-tokens", "3",
                  "--repeats", "1", "--prompt", "what is the capital"]) == 0
@@ -177,13 +177,13 @@ def test_run_speculative_prints_side_by_side_row_and_acceptance_table(tmp_path, 
 
 
 def test_hf_peer_dtype(monkeypatch):
-    import devin_compile.ops.prepacked_linear as prepack
+    import devin_compile.ops.onednn_linear as onednn
 
     fp32 = torch.nn.Linear(2, 2)
     assert benchmarking.hf_peer_dtype(fp32) == (torch.float32, "")
-    monkeypatch.setattr(prepack, "prepack_supported", lambda dtype: True)
+    monkeypatch.setattr(onednn, "onednn_supports", lambda dtype: True)
     assert benchmarking.hf_peer_dtype(fp32.to(torch.bfloat16)) == (torch.bfloat16, "")
-    monkeypatch.setattr(prepack, "prepack_supported", lambda dtype: False)
+    monkeypatch.setattr(onednn, "onednn_supports", lambda dtype: False)
     assert benchmarking.hf_peer_dtype(fp32.to(torch.float16)) == (torch.float32, "float16 is not native on this CPU")
 
 

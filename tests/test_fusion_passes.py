@@ -2,7 +2,7 @@
 
 fuse_rotary, fuse_attention_inputs and fuse_silu_mul are bit-identical in float32; fuse_rms_norm is equal up to the order of the
 float32 sum of squares (bit-identical in bf16); fuse_projections is equal up to float32 GEMM
-rounding; prepack_linear is bit-identical in bf16. Each pass must also
+rounding; prepack_onednn_linears is bit-identical in bf16. Each pass must also
 actually match (its count equals the number of sites in a 2-layer Llama).
 """
 import pytest
@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from devin_compile.api import make_probe
 from devin_compile.capture import capture
 from devin_compile.passes import (AttentionToPaged, Cleanup, FuseAttentionInputs, FuseProjections, FuseRMSNorm,
-                                  FuseRotary, FuseSiluMul, PrepackLinear)
+                                  FuseRotary, FuseSiluMul, PrepackOneDNNLinears)
 from devin_compile.pipeline import PassContext, PassManager, Program
 
 
@@ -178,10 +178,10 @@ def test_rotary_heads_unserved_calls_use_the_python_kernel():
             assert o.dtype == ref.dtype and torch.equal(o, ref)
 
 
-def test_prepack_linear_bit_identical_bf16():
+def test_prepack_onednn_linears_bit_identical_bf16():
     model = _model(torch.bfloat16)
     base, _ = _run(model, [])
-    out, report = _run(model, [PrepackLinear()])
+    out, report = _run(model, [PrepackOneDNNLinears()])
     rec = report.records[-1]
     if rec.status == "skipped":
         pytest.skip(rec.note)
@@ -211,7 +211,7 @@ def test_upcast_linear_pass_bf16(monkeypatch):
     path) stays within bf16 rounding of the plain bf16 graph."""
     import devin_compile.passes.upcast_linear as up
 
-    monkeypatch.setattr(up, "prepack_supported", lambda dtype: False)  # whatever this CPU has
+    monkeypatch.setattr(up, "onednn_supports", lambda dtype: False)  # whatever this CPU has
     model = _model(torch.bfloat16)
     base, _ = _run(model, [])
     out, report = _run(model, [up.UpcastLinear()])

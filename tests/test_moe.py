@@ -2,14 +2,14 @@
 
 - ``devin::moe_experts``: its torch reference against transformers' own
   ``grouped_mm_experts_forward`` (the oracle is HF's math), and its C++ kernel against the reference
-  (hypothesis: token counts, k, expert counts, ids that select nothing); ``devin::packed_linear``'s
+  (hypothesis: token counts, k, expert counts, ids that select nothing); ``devin::packed_gemm_linear``'s
   kernel against its reference;
 - ``fuse_moe_experts`` on the MoE families (Mixtral; Qwen2-MoE with its shared expert and gate;
   Qwen3-MoE with and without ``norm_topk_prob``; OLMoE top-4 of 8; DeepSeek-V3's sigmoid group
   router): one op per MoE layer, no expert GEMM left, teacher-forced logits within 1e-4 of HF eager
   and greedy tokens identical to HF eager for a batch of prompts of different lengths; experts it
-  cannot serve are declined with the reason in the report and stay on ``prepack_experts``;
-- ``devin::grouped_linear`` / ``prepack_experts`` (the path declined experts take).
+  cannot serve are declined with the reason in the report and stay on ``prepack_onednn_experts``;
+- ``devin::grouped_linear`` / ``prepack_onednn_experts`` (the path declined experts take).
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ import devin_compile.ops  # noqa: F401  (registers the devin:: ops)
 from conftest import FAMILIES, build_model
 from devin_compile import optimize
 from devin_compile.ops import moe_experts as moe_op
-from devin_compile.ops import packed_linear as packed_op
-from devin_compile.ops.prepacked_linear import prepack_supported
+from devin_compile.ops import packed_gemm_linear as packed_op
+from devin_compile.ops.onednn_linear import onednn_supports
 
 transformers_moe = pytest.importorskip("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
 ATOL = 1e-4
 
 needs_moe_kernel = pytest.mark.skipif(not moe_op.load_cpu_kernel(), reason="no C/C++ compiler for the MoE kernel")
-needs_onednn = pytest.mark.skipif(not prepack_supported(torch.float32), reason="no oneDNN float32 linear here")
+needs_onednn = pytest.mark.skipif(not onednn_supports(torch.float32), reason="no oneDNN float32 linear here")
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +124,7 @@ def test_pack_experts_refuses_unaligned_sizes():
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(0, 19), n=st.sampled_from([1, 8, 16, 48, 250]), k=st.sampled_from([2, 30, 64]),
        bias=st.booleans(), lead=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
-def test_packed_linear_equals_reference(rows, n, k, bias, lead, threads, seed):
+def test_packed_gemm_linear_equals_reference(rows, n, k, bias, lead, threads, seed):
     """Row counts across the register tile; a row's result does not depend on the other rows."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(seed)
@@ -132,12 +132,12 @@ def test_packed_linear_equals_reference(rows, n, k, bias, lead, threads, seed):
     x = torch.randn(rows, k, generator=g)
     if lead:
         x = x[None]  # [1, rows, K]: how the prefill graph's logits rows come
-    packed = packed_op.pack_linear(w)
-    assert torch.equal(packed_op.unpack_linear(packed, n), w)
-    got = torch.ops.devin.packed_linear(x, packed, b, n)
+    packed = packed_op.pack_weight(w)
+    assert torch.equal(packed_op.unpack_weight(packed, n), w)
+    got = torch.ops.devin.packed_gemm_linear(x, packed, b, n)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
     if rows:
-        assert torch.equal(torch.ops.devin.packed_linear(x[..., -1:, :], packed, b, n), got[..., -1:, :])
+        assert torch.equal(torch.ops.devin.packed_gemm_linear(x[..., -1:, :], packed, b, n), got[..., -1:, :])
 
 
 # --------------------------------------------------------------------------- the pass, per family
@@ -220,19 +220,19 @@ def test_declined_experts_say_why_and_stay_correct(overrides, reason):
 
 @needs_moe_kernel
 def test_linears_packed_in_both_graphs():
-    """pack_linears: the logits linear everywhere, the rest (fused qkv, o_proj, the 4-expert router:
+    """pack_gemm_linears: the logits linear everywhere, the rest (fused qkv, o_proj, the 4-expert router:
     N = 4, padded to one block) with AVX-512."""
     model = _model(*MOE_FAMILIES["mixtral"])
     opt = optimize(model, num_kv_blocks=16)
-    record = next(r for r in opt.pass_report.records if r.name == "pack_linears")
+    record = next(r for r in opt.pass_report.records if r.name == "pack_gemm_linears")
     layers = model.config.num_hidden_layers
     want = 1 + 3 * layers if packed_op.serves_many_rows() else 1  # lm_head (+ fused qkv, o_proj, router)
     assert record.matches == 2 * want, record.note
     for phase, targets in _targets(opt).items():
-        assert targets.count(torch.ops.devin.packed_linear.default) == want, phase
+        assert targets.count(torch.ops.devin.packed_gemm_linear.default) == want, phase
 
 
-# --------------------------------------------------------------------------- grouped_linear / prepack_experts
+# --------------------------------------------------------------------------- grouped_linear / prepack_onednn_experts
 
 
 @needs_onednn
@@ -259,8 +259,8 @@ def test_grouped_linear_checks_expert_count():
 
 
 @needs_onednn
-def test_prepack_experts_rewrites_every_expert_gemm():
-    """With fuse_moe_experts off, prepack_experts takes every expert GEMM."""
+def test_prepack_onednn_experts_rewrites_every_expert_gemm():
+    """With fuse_moe_experts off, prepack_onednn_experts takes every expert GEMM."""
     fam = FAMILIES["mixtral"]
     model = build_model(fam.model_type, fam.config_kwargs(), "sdpa")
     opt = optimize(model, num_kv_blocks=16, fuse_moe_experts=False)

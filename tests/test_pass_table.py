@@ -11,12 +11,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import devin_compile as dc
 from devin_compile.capture import ModelInfo
-from devin_compile.config import OptimizeConfig
+from devin_compile.config import OptimizeConfig, PassOptions
 from devin_compile.passes import (AssignPrecision, AttentionToPaged, Cleanup, CompileDecode, FuseAttentionInputs,
                                   FuseMoEExperts, FuseProjections, FuseRMSNorm, FuseRotary, FuseSiluMul, InsertKVPrune,
-                                  OffloadEmbeddings, PackLinears, PrepackExperts, PrepackLinear, SplitPhases, UpcastLinear,
-                                  default_passes)
-from devin_compile.passes.table import PASS_TABLE, STAGES, table_markdown
+                                  OffloadEmbeddings, PackGemmLinears, PrepackOneDNNExperts, PrepackOneDNNLinears, SplitPhases,
+                                  UpcastLinear, default_passes)
+from devin_compile.passes.table import PASS_TABLE, STAGES, Flags, table_markdown
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 from devin_compile.quant.config import QuantConfig
 
@@ -26,34 +26,34 @@ ROOT = Path(__file__).resolve().parents[1]
 def _if_chain(config, offload_roles=frozenset(), quant=None) -> list:
     """passes/__init__.py's default_passes before the pass table (the reference)."""
     passes = [AttentionToPaged()]
-    if config.fuse_rms_norm:
+    if config.passes.fuse_rms_norm:
         passes.append(FuseRMSNorm())
-    if config.fuse_rotary:
+    if config.passes.fuse_rotary:
         passes.append(FuseRotary())
-    if config.fuse_projections:
+    if config.passes.fuse_projections:
         passes.append(FuseProjections())
-        if config.fuse_silu_mul:
+        if config.passes.fuse_silu_mul:
             passes.append(FuseSiluMul())
     if quant is not None:
         passes.append(AssignPrecision(*quant))
-    if config.split_phases:
+    if config.passes.split_phases:
         passes.append(SplitPhases(config.decode_buckets))
     if getattr(config, "kv_prune", None) is not None:
         passes.append(InsertKVPrune())
     if offload_roles:
         passes.append(OffloadEmbeddings(offload_roles))
-    if config.pack_linears:
-        passes.append(PackLinears())
-    if config.prepack_linear:
-        passes.append(PrepackLinear())
-    if config.fuse_moe_experts:
+    if config.passes.pack_linears:
+        passes.append(PackGemmLinears())
+    if config.passes.prepack_linear:
+        passes.append(PrepackOneDNNLinears())
+    if config.passes.fuse_moe_experts:
         passes.append(FuseMoEExperts())
-    if config.prepack_linear:
-        passes.append(PrepackExperts())
-    if config.upcast_linear:
+    if config.passes.prepack_linear:
+        passes.append(PrepackOneDNNExperts())
+    if config.passes.upcast_linear:
         passes.append(UpcastLinear())
     passes.append(Cleanup())
-    if config.fuse_rotary and config.fuse_attention_inputs:
+    if config.passes.fuse_rotary and config.passes.fuse_attention_inputs:
         passes.append(FuseAttentionInputs())
     if config.compile_decode:
         passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs,
@@ -86,7 +86,7 @@ CASES = [
 @pytest.mark.parametrize("options,roles,quant", CASES)
 def test_table_equals_the_old_if_chain(options, roles, quant):
     config = OptimizeConfig.from_kwargs(options)
-    got = default_passes(config, None, set(roles), quant)
+    got = default_passes(config, set(roles), quant)
     want = _if_chain(config, set(roles), quant)
     assert [_state(p) for p in got] == [_state(p) for p in want]
     PassManager(got)  # requirements hold in every case
@@ -101,8 +101,8 @@ def test_table_rows_are_ordered_by_stage_and_documented():
     stages = [STAGES.index(spec.stage) for spec in PASS_TABLE]
     assert stages == sorted(stages)
     for spec in PASS_TABLE:
-        for flag in spec.enabled_by if isinstance(spec.enabled_by, tuple) else ():
-            assert isinstance(getattr(OptimizeConfig(), flag), bool), flag
+        for flag in spec.enabled_by.names if isinstance(spec.enabled_by, Flags) else ():
+            assert isinstance(getattr(PassOptions(), flag), bool), flag
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert table_markdown() in doc  # docs/architecture.md shows the table as it is
 
@@ -125,9 +125,10 @@ def _imports(path: Path, package: str) -> set[str]:
 
 
 def test_passes_import_neither_backends_nor_runtime():
-    files = sorted((ROOT / "devin_compile" / "passes").glob("*.py"))
+    files = sorted((ROOT / "devin_compile" / "passes").rglob("*.py"))
     assert files
-    bad = {f.name: sorted(m for m in _imports(f, "devin_compile.passes")
+    package = {f: ".".join(["devin_compile", *f.relative_to(ROOT / "devin_compile").parent.parts]) for f in files}
+    bad = {f.name: sorted(m for m in _imports(f, package[f])
                           if m.startswith(("devin_compile.backends", "devin_compile.runtime")))
            for f in files}
     assert {k: v for k, v in bad.items() if v} == {}

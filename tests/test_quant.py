@@ -281,11 +281,11 @@ def test_cpp_op_kernel_serves_calls_with_a_onednn_packed_dense_copy(monkeypatch)
     MkldnnCPU dispatch key: the C++ kernel is registered there too, so decode-sized calls never
     reach the Python kernel, and calls above max_int4_tokens still run the packed copy."""
     from devin_compile.backends.int4 import cpu_int4_op
-    from devin_compile.ops.prepacked_linear import prepack_supported
+    from devin_compile.ops.onednn_linear import onednn_supports
 
     if not cpu_int4_op.load():
         pytest.skip("no C++ compiler: the C++ op kernel is not built")
-    dtype = torch.bfloat16 if prepack_supported(torch.bfloat16) else torch.float32
+    dtype = torch.bfloat16 if onednn_supports(torch.bfloat16) else torch.float32
     n, k, g = 96, 192, 64
     q, s, mn = _logical(n, k, g)
     qw, sc = kernels.prepare("cpu_c", q, s, mn, g, dtype, torch.device("cpu"))

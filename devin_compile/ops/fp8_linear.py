@@ -19,7 +19,7 @@ import torch
 from ..backends.fp8 import kernels
 from ..backends.fp8.format import dequantize, fp8_bytes, quantize  # noqa: F401  (re-exported for passes)
 from .dense_copy import dense_step
-from .prepacked_linear import prepack_supported
+from .onednn_linear import onednn_supports
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("fp8_linear(Tensor x, Tensor qweight, Tensor scale, int out_features, str kernel, Tensor? bias=None, "
@@ -52,7 +52,7 @@ def default_kernel(device: torch.device) -> str:
 def max_fp8_tokens(dtype: torch.dtype) -> int:
     """Steps of more tokens than this use the dense copy: the C kernel's measured crossover against
     the dense path this CPU takes for ``dtype`` (``backends/fp8/kernels.MAX_FP8_TOKENS``)."""
-    return kernels.max_fp8_tokens(dtype, dense_native=prepack_supported(dtype))
+    return kernels.max_fp8_tokens(dtype, dense_native=onednn_supports(dtype))
 
 
 def prepare_operands(kernel: str, q: torch.Tensor, scale: torch.Tensor,

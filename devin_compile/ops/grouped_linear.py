@@ -6,7 +6,7 @@ Schema::
 
 x [S, K]: rows sorted by expert; offs [E] (int): cumulative row counts (expert e owns rows
 ``offs[e-1]:offs[e]``, rows past ``offs[-1]`` belong to none and come out 0); weights: E
-oneDNN-packed [N, K] expert weights (``mkldnn._reorder_linear_weight``). Returns [S, N] =
+oneDNN-prepacked [N, K] expert weights (:func:`.onednn_linear.prepack_weight`). Returns [S, N] =
 ``x[rows_e] @ W_eᵀ`` per expert, the same as transformers' ``grouped_mm_fallback(x, W.mT, offs)``
 (HF's MoE experts under export on CPU), which calls ``mm`` on a transposed view of each expert.
 One host read of ``offs`` per call (HF's fallback does the same); experts with no rows are skipped.
@@ -14,6 +14,8 @@ One host read of ``offs`` per call (HF's fallback does the same); experts with n
 from __future__ import annotations
 
 import torch
+
+from .onednn_linear import onednn_linear
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("grouped_linear(Tensor x, Tensor offs, Tensor[] weights, int out_features) -> Tensor")
@@ -26,7 +28,7 @@ def grouped_linear(x: torch.Tensor, offs: torch.Tensor, weights: list[torch.Tens
     start = 0
     for w, end in zip(weights, offs.tolist()):
         if end > start:
-            out[start:end] = torch.ops.mkldnn._linear_pointwise(x[start:end], w, None, "none", [], "")
+            out[start:end] = onednn_linear(x[start:end], w)
         start = end
     return out
 

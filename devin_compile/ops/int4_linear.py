@@ -22,7 +22,7 @@ import torch
 
 from ..backends.int4 import crossover, kernels
 from ..backends.int4.format import dequantize, int4_bytes  # noqa: F401  (re-exported for passes)
-from .prepacked_linear import prepack_supported
+from .onednn_linear import onednn_supports
 from .dense_copy import dense_step
 
 _lib = torch.library.Library("devin", "FRAGMENT")
@@ -72,7 +72,7 @@ def check_kernel(kernel: str, device: torch.device) -> None:
 def max_int4_tokens(kernel: str, dtype: torch.dtype) -> int:
     """Steps of more tokens than this use the dense copy: the measured crossover of CPU int4
     ``kernel`` against the dense path this CPU takes for ``dtype`` (backends/int4/crossover.py)."""
-    return crossover.max_int4_tokens(kernel, dtype, dense_native=prepack_supported(dtype))
+    return crossover.max_int4_tokens(kernel, dtype, dense_native=onednn_supports(dtype))
 
 
 def prepare_operands(kernel: str, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, group_size: int,

@@ -1,6 +1,10 @@
-"""Graph passes, one per file, each ``graph → graph`` (see pipeline.Pass); their order and
-conditions are the pass table (:mod:`.table`)."""
+"""Graph passes, one per module, each ``graph → graph`` (see pipeline.Pass); their order and
+conditions are the pass table (:mod:`.table`). A pass imports no other pass: what passes share
+lives in :mod:`devin_compile.graph_utils` (FX helpers), :mod:`devin_compile.ops` (kernels) and
+:mod:`devin_compile.pipeline` (the context: shared weights, outputs)."""
 from __future__ import annotations
+
+from collections.abc import Set
 
 from ..config import OptimizeConfig
 from ..pipeline import Pass
@@ -16,21 +20,22 @@ from .fuse_rotary import FuseRotary
 from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
-from .pack_linears import PackLinears
-from .prepack_experts import PrepackExperts
-from .prepack_linear import PrepackLinear
+from .pack_gemm_linears import PackGemmLinears
+from .prepack_onednn_experts import PrepackOneDNNExperts
+from .prepack_onednn_linears import PrepackOneDNNLinears
 from .split_phases import SplitPhases
-from .table import PASS_TABLE, PassSpec, PipelineInputs, build_passes
+from .table import PASS_TABLE, Flags, PassSpec, PipelineInputs, When, build_passes
 from .upcast_linear import UpcastLinear
 
 
-def default_passes(config: OptimizeConfig, info=None, offload_roles: set[str] = frozenset(), quant=None) -> list[Pass]:
+def default_passes(config: OptimizeConfig, offload_roles: Set[str] = frozenset(), quant=None) -> list[Pass]:
     """The optimize() pipeline, in order: the enabled rows of :data:`~.table.PASS_TABLE`.
     ``offload_roles``: validated ``offload_layers`` roles; ``quant``: (QuantResult, QuantConfig)
-    to add assign_precision. ``info`` is not needed (kept for callers)."""
+    to add assign_precision."""
     return build_passes(PipelineInputs(config, frozenset(offload_roles), quant))
 
 
-__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseMoEExperts", "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul",
-           "InsertKVPrune", "OffloadEmbeddings", "PackLinears", "PrepackExperts", "PrepackLinear", "SplitPhases", "UpcastLinear",
-           "PASS_TABLE", "PassSpec", "PipelineInputs", "build_passes", "default_passes"]
+__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseMoEExperts",
+           "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul", "InsertKVPrune", "OffloadEmbeddings",
+           "PackGemmLinears", "PrepackOneDNNExperts", "PrepackOneDNNLinears", "SplitPhases", "UpcastLinear",
+           "PASS_TABLE", "Flags", "PassSpec", "PipelineInputs", "When", "build_passes", "default_passes"]

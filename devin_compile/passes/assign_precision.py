@@ -34,29 +34,32 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    calibration text (:func:`~devin_compile.quant.quantize.resolve_max_kl`).
 4. INT4 linears become ``devin::int4_linear`` and FP8 linears ``devin::fp8_linear``
    (operands prepared once for the kernel; FP8's sensitivity is the same statistic for its rounding);
-   with ``dense_prefill`` a dequantized dense copy (oneDNN-prepacked on CPU; on CPUs without
-   native bf16/fp16 GEMMs run by :func:`~devin_compile.ops.upcast_linear.upcast_linear`) serves
+   with ``dense_prefill`` a dequantized dense copy (:func:`~devin_compile.ops.dense_copy.dense_copy_policy`:
+   oneDNN-prepacked on CPU; on CPUs without native bf16/fp16 GEMMs run by
+   :func:`~devin_compile.ops.upcast_linear.upcast_linear`) serves
    steps of more than ``max_int4_tokens`` tokens. Kept linears of an AWQ result get their folded
    full-precision weight; AWQ's scaled norm weights replace the originals.
 
 The report's note gives the counts, bytes and kernel; ``details`` is the per-layer table
-(precision, bits, group size, sensitivity, bytes), also kept in ``ctx.extras["precision_table"]``.
+(precision, bits, group size, sensitivity, bytes), also handed back in ``ctx.outputs.precision_table``
+(and the note in ``ctx.outputs.precision_note``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, counted_nodes, is_call, node_delta
+from ..graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead_code, fake_like, is_call, linear_bias,
+                           node_delta, param_of)
 from ..ops import fp8_linear as fp8_op
 from ..ops import int4_linear as int4_op
-from ..ops.prepacked_linear import prepack_supported
+from ..ops.dense_copy import DenseCopyPolicy, dense_copy_policy
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from ..quant.config import QuantConfig
 from ..quant.precision import Candidate, choose_tiers
 from ..quant.result import QuantResult, has_fp8, sensitivity
-from .dead_code import eliminate_dead_code
-from .fuse_projections import _fake_like, _param
 
 aten = torch.ops.aten
 SENSITIVITY_KINDS = {"loss": "estimated loss increase (output-gradient weighted)",
@@ -70,12 +73,17 @@ def hf_name(target: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
-def _set_attr(gm: torch.fx.GraphModule, name: str, value: torch.Tensor, like: torch.fx.Node | None) -> torch.fx.Node:
-    gm.register_buffer(name, value, persistent=False)
-    node = gm.graph.get_attr(name)
-    if like is not None:
-        node.meta["val"] = _fake_like(like, value)
-    return node
+@dataclass(frozen=True)
+class _Kernels:
+    """The kernels this device and activation dtype get, and when the dense copies serve instead."""
+
+    int4: str
+    int4_max_tokens: int  # -1: no dense copy (the INT4 kernel serves every step)
+    int4_dense: bool
+    fp8: str
+    fp8_max_tokens: int  # -1: no dense copy
+    fp8_dense: bool
+    dense_copy: DenseCopyPolicy
 
 
 class AssignPrecision(Pass):
@@ -86,149 +94,148 @@ class AssignPrecision(Pass):
         self.result = result
         self.qconfig = qconfig
 
-    def _kernel(self, device: torch.device, dtype: torch.dtype) -> tuple[str, int, bool]:
-        """(kernel, max_int4_tokens, keep a dense copy) for this device and activation dtype."""
-        cfg = self.qconfig
-        kernel = cfg.kernel
-        if kernel == "auto":
-            kernel = int4_op.default_kernel(device)
-        int4_op.check_kernel(kernel, device)
-        dense = cfg.dense_prefill and kernel in ("cpu", "cpu_c")
-        if cfg.max_int4_tokens is not None:
-            limit = cfg.max_int4_tokens
-        elif dense:
-            limit = int4_op.max_int4_tokens(kernel, dtype)
-        else:
-            limit = -1
-        return kernel, (limit if dense else -1), dense
-
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        graph = gm.graph
         before = counted_nodes(gm)
+        dtype, device = ctx.info.dtype, ctx.info.device
+        cands = self._candidates(gm, dtype)
+        choice, sens_kind = self._choose_tiers(cands)
+        kernels = self._kernels(device, dtype)
+        rows, dense_bytes = [], 0
+        for i, (c, tier) in enumerate(zip(cands, choice)):
+            parts = [self.result.linears[n] for n in c.names]
+            name = c.node.name
+            if tier == "int4":
+                dense_bytes += self._to_int4(gm, i, c, parts, kernels, dtype, device)
+            elif tier == "fp8":
+                dense_bytes += self._to_fp8(gm, i, c, parts, kernels, dtype, device)
+            elif any(p.in_scale is not None or p.row_scale is not None for p in parts):
+                self._fold_awq(gm, i, c, parts)
+            rows.append(_row(c, name, tier, parts, sens_kind, dtype))
+        self._apply_overrides(gm)
+        eliminate_dead_code(gm)
+        note = f"{self._note(cands, choice, rows, kernels, sens_kind, dense_bytes)}; {node_delta(gm, before)}"
+        ctx.outputs.precision_table, ctx.outputs.precision_note = rows, note
+        return PassResult(matches=choice.count("int4") + choice.count("fp8"), note=note,
+                          details=precision_table_markdown(rows))
+
+    def _candidates(self, gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[Candidate]:
+        """One candidate per graph linear that computes quantized-model linears (sensitivities unset)."""
         res = self.result
-        info = ctx.info
-        dtype, device = info.dtype, info.device
         elem = torch.empty((), dtype=dtype).element_size()
         cands: list[Candidate] = []
-        for node in graph.nodes:
-            if not is_call(node, aten.linear.default) or _param(gm, node.args[1]) is None:
+        for node in gm.graph.nodes:
+            w = param_of(gm, node.args[1]) if is_call(node, aten.linear.default) else None
+            if w is None:
                 continue
-            targets = node.meta.get("fused_weights") or [node.args[1].target]
-            names = [hf_name(t) for t in targets]
+            names = [hf_name(t) for t in node.meta.get("fused_weights") or [node.args[1].target]]
             known = [n in res.linears for n in names]
             if not any(known):
                 continue
             if not all(known):
                 raise PassError(f"assign_precision: graph linear {node.name} computes {names}, but the quantized "
                                 f"model covers only {[n for n, k in zip(names, known) if k]}")
-            w = _param(gm, node.args[1])
             parts = [res.linears[n] for n in names]
-            n_out = sum(p.shape[0] for p in parts)
-            k = parts[0].shape[1]
-            if tuple(w.shape) != (n_out, k) or any(p.shape[1] != k or p.group_size != parts[0].group_size for p in parts):
+            n_out, k, g = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].group_size
+            if tuple(w.shape) != (n_out, k) or any(p.shape[1] != k or p.group_size != g for p in parts):
                 raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the quantized "
                                 f"parts {names} have shapes {[p.shape for p in parts]}")
-            g = parts[0].group_size
             cands.append(Candidate(node, names, n_out, k, g, 0.0, n_out * k * elem, int4_op.int4_bytes(n_out, k, g, elem)))
         if not cands:
             raise PassError("assign_precision: no graph linear matches the quantized model's linears "
                             f"(e.g. {next(iter(res.linears), None)}); was it made for this model?")
-        covered = {n for c in cands for n in c.names}
-        uncovered = sorted(set(res.linears) - covered)
+        uncovered = sorted(set(res.linears) - {n for c in cands for n in c.names})
         if uncovered:
             raise PassError(f"assign_precision: {len(uncovered)} quantized linears have no linear in the graph, "
                             f"e.g. {uncovered[:3]}")
-        tiers = self.qconfig.tiers
+        return cands
+
+    def _choose_tiers(self, cands: list[Candidate]) -> tuple[list[str], str]:
+        """Each candidate's sensitivities, then the target's tier per candidate; (tiers, sensitivity kind)."""
+        res, tiers = self.result, self.qconfig.tiers
         if "fp8" in tiers and not has_fp8(res):
             raise PassError("assign_precision: tiers include 'fp8', but the quantized model has no FP8 weights "
                             "(quantize it with tiers including 'fp8', e.g. `quantize run --tiers int4,fp8`)")
-        values, sens_kind = sensitivity(res, [c.names for c in cands])
-        fp8_values = sensitivity(res, [c.names for c in cands], "fp8")[0] if "fp8" in tiers else [None] * len(cands)
+        names = [c.names for c in cands]
+        values, sens_kind = sensitivity(res, names)
+        fp8_values = sensitivity(res, names, "fp8")[0] if "fp8" in tiers else [None] * len(cands)
         for c, v, v8 in zip(cands, values, fp8_values):
             c.sensitivity, c.fp8_sensitivity, c.fp8_bytes = v, v8, fp8_op.fp8_bytes(c.n, c.k)
-        choice = choose_tiers(cands, self.qconfig.target, tiers)
-        kernel, max_tokens, dense = self._kernel(device, dtype)
+        return choose_tiers(cands, self.qconfig.target, tiers), sens_kind
+
+    def _kernels(self, device: torch.device, dtype: torch.dtype) -> _Kernels:
+        """The INT4 kernel (and its dense-copy limit), the FP8 kernel (and its), the dense-copy policy."""
+        cfg = self.qconfig
+        kernel = int4_op.default_kernel(device) if cfg.kernel == "auto" else cfg.kernel
+        int4_op.check_kernel(kernel, device)
+        dense = cfg.dense_prefill and kernel in ("cpu", "cpu_c")
+        if not dense:
+            limit = -1
+        elif cfg.max_int4_tokens is not None:
+            limit = cfg.max_int4_tokens
+        else:
+            limit = int4_op.max_int4_tokens(kernel, dtype)
         fp8_kernel = fp8_op.default_kernel(device)
-        packed_dense = device.type == "cpu" and prepack_supported(dtype)
-        # no native half-precision GEMM on this CPU: the dense copy runs as float32 GEMMs
-        upcast_dense = device.type == "cpu" and not packed_dense and dtype in (torch.bfloat16, torch.float16)
-        fp8_dense = self.qconfig.dense_prefill and fp8_kernel == "cpu_c"
-        fp8_max_tokens = fp8_op.max_fp8_tokens(dtype) if fp8_dense else -1
-        rows = []
-        dense_bytes = 0
+        fp8_dense = cfg.dense_prefill and fp8_kernel == "cpu_c"
+        return _Kernels(kernel, limit, dense, fp8_kernel, fp8_op.max_fp8_tokens(dtype) if fp8_dense else -1,
+                        fp8_dense, dense_copy_policy(device, dtype))
 
-        def dense_copy(i: int, tier: str, w: torch.Tensor, w_node: torch.fx.Node, kwargs: dict) -> None:
-            """A dequantized dense copy (oneDNN-packed where this CPU has it) for steps above the limit."""
-            nonlocal dense_bytes
-            w = w.to(device)
-            if packed_dense:
-                w = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-                kwargs["dense_kernel"] = "mkldnn"
-            elif upcast_dense:
-                kwargs["dense_kernel"] = "upcast"
-            kwargs["dense"] = _set_attr(gm, f"{tier}_{i}_dense", w, w_node)
-            dense_bytes += cands[i].fp_bytes
+    def _to_int4(self, gm, i: int, c: Candidate, parts, kernels: _Kernels, dtype, device) -> int:
+        """``linear`` → ``devin::int4_linear``; returns the bytes of its dense copy (0 without one)."""
+        node, w_node = c.node, c.node.args[1]
+        q, scale, minv = (torch.cat([getattr(p, a) for p in parts]) for a in ("q", "scale", "minv"))
+        qw, sz = int4_op.prepare_operands(kernels.int4, q, scale, minv, c.group_size, dtype, device)
+        head = c.names == [self.result.head]  # the head only sees the rows that need logits: no dense copy
+        with gm.graph.inserting_before(node):
+            qw_node = add_constant(gm, f"int4_{i}_qweight", qw, fake_like(w_node, qw))
+            sz_node = add_constant(gm, f"int4_{i}_scales_zeros", sz, fake_like(w_node, sz))
+            kwargs = {"bias": linear_bias(node), "max_int4_tokens": -1 if head else kernels.int4_max_tokens}
+            dense = kernels.int4_dense and not head
+            if dense:
+                _add_dense_copy(gm, f"int4_{i}_dense", int4_op.dequantize(q, scale, minv, c.group_size, dtype),
+                                w_node, kwargs, kernels.dense_copy)
+            new = add_call(gm.graph, torch.ops.devin.int4_linear.default,
+                           (node.args[0], qw_node, sz_node, c.group_size, c.n, kernels.int4), kwargs, like=node)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        return c.fp_bytes if dense else 0
 
-        for i, c in enumerate(cands):
-            node = c.node
-            parts = [res.linears[n] for n in c.names]
-            bias = node.args[2] if len(node.args) > 2 else None
-            w_node = node.args[1]
-            tier = choice[i]
-            head = c.names == [res.head]
-            if tier == "int4":
-                q = torch.cat([p.q for p in parts])
-                scale = torch.cat([p.scale for p in parts])
-                minv = torch.cat([p.minv for p in parts])
-                qw, sz = int4_op.prepare_operands(kernel, q, scale, minv, c.group_size, dtype, device)
-                with graph.inserting_before(node):
-                    qw_node = _set_attr(gm, f"int4_{i}_qweight", qw, w_node)
-                    sz_node = _set_attr(gm, f"int4_{i}_scales_zeros", sz, w_node)
-                    # the head only sees the rows that need logits (a few per step): no dense copy
-                    kwargs = {"bias": bias, "max_int4_tokens": -1 if head else max_tokens}
-                    if dense and not head:
-                        dense_copy(i, tier, int4_op.dequantize(q, scale, minv, c.group_size, dtype), w_node, kwargs)
-                    new = add_call(graph, torch.ops.devin.int4_linear.default,
-                                   (node.args[0], qw_node, sz_node, c.group_size, c.n, kernel), kwargs, like=node)
-                node.replace_all_uses_with(new)
-                graph.erase_node(node)
-            elif tier == "fp8":
-                q8 = torch.cat([p.fp8_q for p in parts])
-                s8 = torch.cat([p.fp8_scale for p in parts])
-                qw, sc = fp8_op.prepare_operands(fp8_kernel, q8, s8, device)
-                with graph.inserting_before(node):
-                    qw_node = _set_attr(gm, f"fp8_{i}_qweight", qw, w_node)
-                    sc_node = _set_attr(gm, f"fp8_{i}_scale", sc, w_node)
-                    limit = -1 if head else fp8_max_tokens
-                    kwargs = {"bias": bias, "max_fp8_tokens": limit}
-                    if limit >= 0:
-                        dense_copy(i, tier, fp8_op.dequantize(q8, s8, dtype), w_node, kwargs)
-                    new = add_call(graph, torch.ops.devin.fp8_linear.default,
-                                   (node.args[0], qw_node, sc_node, c.n, fp8_kernel), kwargs, like=node)
-                node.replace_all_uses_with(new)
-                graph.erase_node(node)
-            elif any(p.in_scale is not None or p.row_scale is not None for p in parts):
-                w = _param(gm, w_node)
-                pieces, start = [], 0
-                for p in parts:
-                    pieces.append(p.fp_weight(w[start:start + p.shape[0]].detach()))
-                    start += p.shape[0]
-                with graph.inserting_before(node):
-                    new_w = _set_attr(gm, f"awq_{i}_weight", torch.cat(pieces), w_node)
-                node.replace_input_with(w_node, new_w)
-            why = next((p.group_note for p in parts if p.group_note), "") if tier == "int4" else ""
-            rows.append({"linear": _label(c.names), "graph_node": node.name,
-                         "precision": tier if tier != "fp" else str(dtype).replace("torch.", ""),
-                         "bits": {"int4": 4, "fp8": 8}.get(tier, elem * 8),
-                         "group_size": c.group_size if tier == "int4" else None, "group_note": why,
-                         "sensitivity": c.sensitivity, "fp8_sensitivity": c.fp8_sensitivity,
-                         "sensitivity_kind": sens_kind,
-                         "bytes": {"int4": c.int4_bytes, "fp8": c.fp8_bytes}.get(tier, c.fp_bytes), "params": c.params})
-        self._apply_overrides(gm)
-        eliminate_dead_code(gm)
-        ctx.extras["precision_table"] = rows
-        n4 = choice.count("int4")
-        n8 = choice.count("fp8")
+    def _to_fp8(self, gm, i: int, c: Candidate, parts, kernels: _Kernels, dtype, device) -> int:
+        """``linear`` → ``devin::fp8_linear``; returns the bytes of its dense copy (0 without one)."""
+        node, w_node = c.node, c.node.args[1]
+        q8, s8 = torch.cat([p.fp8_q for p in parts]), torch.cat([p.fp8_scale for p in parts])
+        qw, sc = fp8_op.prepare_operands(kernels.fp8, q8, s8, device)
+        limit = -1 if c.names == [self.result.head] else kernels.fp8_max_tokens
+        with gm.graph.inserting_before(node):
+            qw_node = add_constant(gm, f"fp8_{i}_qweight", qw, fake_like(w_node, qw))
+            sc_node = add_constant(gm, f"fp8_{i}_scale", sc, fake_like(w_node, sc))
+            kwargs = {"bias": linear_bias(node), "max_fp8_tokens": limit}
+            if limit >= 0:
+                _add_dense_copy(gm, f"fp8_{i}_dense", fp8_op.dequantize(q8, s8, dtype), w_node, kwargs,
+                                kernels.dense_copy)
+            new = add_call(gm.graph, torch.ops.devin.fp8_linear.default,
+                           (node.args[0], qw_node, sc_node, c.n, kernels.fp8), kwargs, like=node)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        return c.fp_bytes if limit >= 0 else 0
+
+    def _fold_awq(self, gm, i: int, c: Candidate, parts) -> None:
+        """A linear kept in the model dtype reads AWQ's folded full-precision weight."""
+        w_node = c.node.args[1]
+        w = param_of(gm, w_node)
+        pieces, start = [], 0
+        for p in parts:
+            pieces.append(p.fp_weight(w[start:start + p.shape[0]].detach()))
+            start += p.shape[0]
+        folded = torch.cat(pieces)
+        with gm.graph.inserting_before(c.node):
+            new_w = add_constant(gm, f"awq_{i}_weight", folded, fake_like(w_node, folded))
+        c.node.replace_input_with(w_node, new_w)
+
+    def _note(self, cands: list[Candidate], choice: list[str], rows: list[dict], kernels: _Kernels, sens_kind: str,
+              dense_bytes: int) -> str:
+        """The report's note: counts, shares, bytes, group sizes, sensitivity kind, kernels."""
+        res, tiers, target = self.result, self.qconfig.tiers, self.qconfig.target
+        n4, n8 = choice.count("int4"), choice.count("fp8")
         ptot = sum(c.params for c in cands)
         p4 = sum(c.params for c, t in zip(cands, choice) if t == "int4")
         p8 = sum(c.params for c, t in zip(cands, choice) if t == "fp8")
@@ -236,35 +243,62 @@ class AssignPrecision(Pass):
         fp_bytes = sum(c.fp_bytes for c in cands)
         groups = sorted({(c.group_size, r["group_note"]) for c, r in zip(cands, rows) if r["precision"] == "int4"})
         gnote = "; ".join(f"g{g}" + (f" ({why})" if why else "") for g, why in groups)
-        dense_kind = "oneDNN " if dense and packed_dense else "float32-GEMM " if dense and upcast_dense else ""
-        mode = (f"{kernel} kernel for steps of <= {max_tokens} tokens, dense {dense_kind}copy above"
-                if dense and max_tokens > 0 else "dense dequantized copy for every step (fp32: the CPU int4 kernel "
-                "has no fast fp32 path)" if dense else f"{kernel} kernel for every step")
-        if n8:
-            mode += (f"; FP8 {fp8_kernel} kernel" + (f" for steps of <= {fp8_max_tokens} tokens, dense copy above"
-                                                     if fp8_dense else " for every step"))
         what = "decoder-linear + lm_head" if res.head else "decoder-linear"
         tiers_note = f"FP8 {n8}/{len(cands)} linears ({p8 / ptot:.1%}), " if "fp8" in tiers else ""
-        note = (f"{res.method} INT4 {n4}/{len(cands)} linears ({p4 / ptot:.1%} of {what} weights), {tiers_note}"
-                f"target {self.qconfig.target['kind']}"
-                + (f"={self.qconfig.target['value']}" if self.qconfig.target["value"] is not None else "")
+        return (f"{res.method} INT4 {n4}/{len(cands)} linears ({p4 / ptot:.1%} of {what} weights), {tiers_note}"
+                f"target {target['kind']}" + (f"={target['value']}" if target["value"] is not None else "")
                 + f"; {what} weights {total_bytes / 2**20:.1f} MiB vs {fp_bytes / 2**20:.1f} MiB"
                 + (f" (+ {dense_bytes / 2**20:.1f} MiB dense copies for long steps: dense_prefill=False drops them)"
                    if dense_bytes else "")
-                + (f"; {gnote}" if gnote else "") + f"; sensitivity: {SENSITIVITY_KINDS[sens_kind]}; {mode}; "
-                f"{node_delta(gm, before)}")
-        return PassResult(matches=n4 + n8, note=note, details=precision_table_markdown(rows))
+                + (f"; {gnote}" if gnote else "") + f"; sensitivity: {SENSITIVITY_KINDS[sens_kind]}; "
+                + _kernel_note(kernels, n8))
 
     def _apply_overrides(self, gm: torch.fx.GraphModule) -> None:
         for j, (pname, value) in enumerate(sorted(self.result.overrides.items())):
             nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "m." + pname]
             if not nodes:
                 raise PassError(f"assign_precision: the graph never reads {pname}, which AWQ rescaled")
-            old = _param(gm, nodes[0])
+            old = param_of(gm, nodes[0])
             attr = f"awq_override_{j}"
             gm.register_buffer(attr, value.to(device=old.device, dtype=old.dtype), persistent=False)
             for n in nodes:
                 n.target = attr
+
+
+def _add_dense_copy(gm: torch.fx.GraphModule, name: str, weight: torch.Tensor, w_node: torch.fx.Node, kwargs: dict,
+                    policy: DenseCopyPolicy) -> None:
+    """A dequantized dense copy for steps above the kernel's limit, made as ``policy`` says; sets the op's
+    ``dense`` (and ``dense_kernel`` when not a plain linear) keyword arguments."""
+    dense = policy.make(weight)
+    if policy.kernel != "linear":
+        kwargs["dense_kernel"] = policy.kernel
+    kwargs["dense"] = add_constant(gm, name, dense, fake_like(w_node, dense))
+
+
+def _kernel_note(k: _Kernels, n8: int) -> str:
+    """Which kernel serves which steps (the last part of the note)."""
+    if k.int4_dense and k.int4_max_tokens > 0:
+        mode = f"{k.int4} kernel for steps of <= {k.int4_max_tokens} tokens, dense {k.dense_copy.describe}copy above"
+    elif k.int4_dense:
+        mode = "dense dequantized copy for every step (fp32: the CPU int4 kernel has no fast fp32 path)"
+    else:
+        mode = f"{k.int4} kernel for every step"
+    if n8:
+        mode += (f"; FP8 {k.fp8} kernel" + (f" for steps of <= {k.fp8_max_tokens} tokens, dense copy above"
+                                             if k.fp8_dense else " for every step"))
+    return mode
+
+
+def _row(c: Candidate, name: str, tier: str, parts, sens_kind: str, dtype: torch.dtype) -> dict:
+    """One row of the precision table (``ctx.outputs.precision_table``)."""
+    why = next((p.group_note for p in parts if p.group_note), "") if tier == "int4" else ""
+    elem_bits = torch.empty((), dtype=dtype).element_size() * 8
+    return {"linear": _label(c.names), "graph_node": name,
+            "precision": tier if tier != "fp" else str(dtype).replace("torch.", ""),
+            "bits": {"int4": 4, "fp8": 8}.get(tier, elem_bits),
+            "group_size": c.group_size if tier == "int4" else None, "group_note": why,
+            "sensitivity": c.sensitivity, "fp8_sensitivity": c.fp8_sensitivity, "sensitivity_kind": sens_kind,
+            "bytes": {"int4": c.int4_bytes, "fp8": c.fp8_bytes}.get(tier, c.fp_bytes), "params": c.params}
 
 
 def _label(names: list[str]) -> str:

@@ -2,7 +2,7 @@
 
 Patterns → replacements:
 
-- export metadata asserts → removed; unreachable nodes → removed (see dead_code)
+- export metadata asserts → removed; unreachable nodes → removed (``graph_utils.eliminate_dead_code``)
 - ``x.to(dtype)`` / ``_to_copy(x, dtype=…)`` where x already has that dtype → ``x``
 - ``dropout(x, p, train=False)`` and ``dropout(x, 0, …)`` → ``x``
 - ``transpose(transpose(x, a, b), a, b)`` → ``x``
@@ -23,9 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import RESHAPES, count_nodes, fake_value, has_shape, is_call, transpose_dims
+from ..graph_utils import RESHAPES, count_nodes, eliminate_dead_code, fake_value, has_shape, is_call, transpose_dims
 from ..pipeline import Pass, PassContext, PassResult, Program
-from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
 # views that keep the elements' row-major order (so a reshape after them equals one of their input)

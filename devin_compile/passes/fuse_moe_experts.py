@@ -20,10 +20,10 @@ from the router's ``ids`` and ``w``, so every family's routing stays exact.
 Invariants: the same values as the HF subgraph up to float32 summation order (the activation
 and the slot sum are the same aten kernels); the packed weights replace the dense ones and are
 shared by the prefill and decode graphs. Declines, with the reason per layer in the report
-(those experts stay for ``prepack_experts``): another activation than SiLU, expert biases or a
+(those experts stay for ``prepack_onednn_experts``): another activation than SiLU, expert biases or a
 post-expert norm (the chain differs), hidden/intermediate sizes not multiples of 16, a dtype
 other than float32. Skipped off CPU, without a C/C++ compiler, and in the decode graph under
-``compile_decode`` (left to Inductor, as ``prepack_experts`` does).
+``compile_decode`` (left to Inductor, as ``prepack_onednn_experts`` does).
 """
 from __future__ import annotations
 
@@ -33,12 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..graph_utils import counted_nodes, fake_value, is_call, node_delta
+from ..graph_utils import (add_constant, counted_nodes, eliminate_dead_code, fake_value, grouped_mm_fallback_op,
+                           is_call, is_expert_transpose, node_delta, transposed_expert_weight)
 from ..ops import moe_experts as moe_op  # registers devin::moe_experts
 from ..pipeline import Pass, PassContext, PassResult, Program
-from .dead_code import eliminate_dead_code
-from .fuse_projections import _param
-from .prepack_experts import _fallback_op
 
 aten = torch.ops.aten
 _CASTS = (aten.to.dtype, aten._to_copy.default)
@@ -89,16 +87,25 @@ def _flat(node, what: str) -> torch.fx.Node:
 
 
 def _expert_weight(gm, node, what: str) -> torch.Tensor:
-    if not (is_call(node, aten.transpose.int) and sorted(a % 3 for a in node.args[1:3]) == [1, 2]):
+    if not is_expert_transpose(node):
         raise _NoMatch(f"{what} weight is not transpose(W[E, out, in]) (transposed expert layout)")
-    w = _param(gm, node.args[0])
-    if w is None or w.dim() != 3:
+    w = transposed_expert_weight(gm, node)
+    if w is None:
         raise _NoMatch(f"{what} weight is not a 3-D parameter")
     return w
 
 
 def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Experts:
     """The whole experts chain from its first grouped GEMM, or :class:`_NoMatch` saying where it differs."""
+    x, perm, k, ids, w_gu, offs = _routed_rows(gm, gate_up)
+    down, w_d = _gated_experts(gm, gate_up, grouped, offs, w_gu)
+    weights, out, inverse = _weighted_slot_sum(down, perm, k, w_gu.shape[2])
+    return _Experts(x, ids, weights, w_gu, w_d, out, inverse)
+
+
+def _routed_rows(gm: torch.fx.GraphModule, gate_up: torch.fx.Node):
+    """The gate/up GEMM's input: rows of x gathered in expert order, with the expert offsets
+    → (x, perm, k, ids, W_gate_up, offs)."""
     gather = _uncast(gate_up.args[0])
     if not (is_call(gather, aten.index.Tensor) and len(gather.args[1]) == 1
             and is_call(gather.args[1][0], aten.floor_divide.default)):
@@ -123,7 +130,13 @@ def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Expert
     if not (_item(counted, 0) is sort
             and list(histc.args[1:4]) == [n_experts, 0, n_experts - 1]):
         raise _NoMatch(f"expert offsets are not cumsum(histc(sorted ids, {n_experts}, 0, {n_experts - 1}))")
+    return x, perm, k, ids, w_gu, offs
 
+
+def _gated_experts(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped, offs: torch.fx.Node,
+                   w_gu: torch.Tensor) -> tuple[torch.fx.Node, torch.Tensor]:
+    """chunk → silu(gate) · up → the grouped down GEMM over the same offsets → (down node, W_down)."""
+    n_experts, f2, hidden = w_gu.shape
     chunk = _only_user(gate_up, "the gate/up GEMM")
     if not (is_call(chunk, aten.chunk.default) and chunk.args[1] == 2 and chunk.args[2] in (-1, 1)):
         raise _NoMatch(f"gate/up output goes to {chunk.target}, not chunk(…, 2, -1) (no gate, or an expert bias)")
@@ -143,7 +156,12 @@ def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Expert
     w_d = _expert_weight(gm, down.args[1], "down")
     if tuple(w_d.shape) != (n_experts, hidden, f2 // 2) or f2 % 2:
         raise _NoMatch(f"down weight {tuple(w_d.shape)} does not match gate/up {tuple(w_gu.shape)}")
+    return down, w_d
 
+
+def _weighted_slot_sum(down: torch.fx.Node, perm: torch.fx.Node, k: int, hidden: int):
+    """× the sorted routing weights → back in token order → summed over the k slots
+    → (routing weights [T, k], the slot sum, the inverse permutation)."""
     scale = _only_user(down, "the down GEMM")
     other = next((a for a in scale.args if a is not down), None) if is_call(scale, aten.mul.Tensor) else None
     sorted_w = other.args[0] if is_call(other, aten.unsqueeze.default) and other.args[1] in (-1, 1) else None
@@ -164,7 +182,7 @@ def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Expert
         raise _NoMatch("the k slots are not summed by view(T, k, H).sum(1)")
     if fake_value(weights) is None or tuple(fake_value(weights).shape[1:]) != (k,):
         raise _NoMatch("routing weights are not [T, k]")
-    return _Experts(x, ids, weights, w_gu, w_d, out, inverse)
+    return weights, out, inverse
 
 
 def _users_through_casts(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -197,8 +215,8 @@ class FuseMoEExperts(Pass):
         if info is not None and info.device.type != "cpu":
             return f"model is on {info.device.type}, not CPU (the op's reference kernel is no faster there)"
         if info is not None and info.dtype != torch.float32:
-            return f"the CPU kernel computes float32; {info.dtype} experts are prepack_experts'"
-        target = _fallback_op()
+            return f"the CPU kernel computes float32; {info.dtype} experts are prepack_onednn_experts'"
+        target = grouped_mm_fallback_op()
         if target is None or not any(is_call(n, target) for gm in program.graphs.values() for n in gm.graph.nodes):
             return "no MoE expert GEMMs (transformers.grouped_mm_fallback) in the graph"
         if not moe_op.load_cpu_kernel():
@@ -208,10 +226,9 @@ class FuseMoEExperts(Pass):
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         if phase == "decode" and ctx.config.compile_decode:
             return PassResult(note="decode graph left to Inductor (compile_decode)")
-        grouped = _fallback_op()
+        grouped = grouped_mm_fallback_op()
         graph = gm.graph
         before = counted_nodes(gm)
-        shared: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = ctx.extras.setdefault("moe_packed", {})
         fused, declined = 0, []
         heads = {}  # offsets node → the first grouped GEMM over them (an expert block's gate/up)
         for node in graph.nodes:
@@ -228,17 +245,11 @@ class FuseMoEExperts(Pass):
             if reason is not None:
                 declined.append(f"{_layer_name(gm, node)}: {reason}")
                 continue
-            key = (id(m.gate_up), id(m.down))
-            if key not in shared:
-                shared[key] = moe_op.pack_experts(m.gate_up, m.down)
-            names = []
-            for suffix, t in zip(("gate_up", "down"), shared[key]):
-                names.append(f"moe_experts_{fused}_{suffix}")
-                gm.register_buffer(names[-1], t, persistent=False)
+            packed = ctx.shared_weights.get(self.name, (m.gate_up, m.down),
+                                            lambda: moe_op.pack_experts(m.gate_up, m.down))
             with graph.inserting_before(m.out):
-                attrs = [graph.get_attr(n) for n in names]
-                for a in attrs:
-                    a.meta["val"] = None
+                attrs = [add_constant(gm, f"moe_experts_{fused}_{suffix}", t)
+                         for suffix, t in zip(("gate_up", "down"), packed)]
                 new = graph.call_function(torch.ops.devin.moe_experts.default, (m.x, m.ids, m.weights, *attrs))
                 new.meta = dict(m.out.meta)
             m.out.replace_all_uses_with(new)

@@ -13,21 +13,15 @@ linear's ``meta["fused_weights"]`` lists the original weight attributes in row o
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, counted_nodes, is_call, node_delta
+from ..graph_utils import add_call, counted_nodes, eliminate_dead_code, fake_like, is_call, node_delta, param_of
 from ..pipeline import Pass, PassContext, PassResult
-from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
-
-
-def _param(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
-    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-        t = gm.get_submodule(node.target.rpartition(".")[0]) if "." in node.target else gm
-        return getattr(t, node.target.rpartition(".")[2])
-    return None
 
 
 class FuseProjections(Pass):
@@ -41,36 +35,34 @@ class FuseProjections(Pass):
         position = {n: i for i, n in enumerate(graph.nodes)}
         for x in list(graph.nodes):
             group = [u for u in x.users if is_call(u, aten.linear.default) and u.args[0] is x]
-            group = [u for u in group if _param(gm, u.args[1]) is not None]
+            group = [u for u in group if param_of(gm, u.args[1]) is not None]
             if len(group) < 2:
                 continue
             has_bias = [len(u.args) > 2 and u.args[2] is not None for u in group]
             if any(has_bias) and not all(has_bias):
                 continue
-            weights = [_param(gm, u.args[1]) for u in group]
+            weights = [param_of(gm, u.args[1]) for u in group]
             if len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1:
                 continue
             order = sorted(group, key=position.__getitem__)
-            weights = [_param(gm, u.args[1]) for u in order]
+            weights = [param_of(gm, u.args[1]) for u in order]
             name = f"fused_proj_{fused}"
             gm.register_parameter(f"{name}_weight", torch.nn.Parameter(torch.cat(weights, 0), requires_grad=False))
             first = order[0]
             with graph.inserting_before(first):
                 w_node = graph.get_attr(f"{name}_weight")
-                w_node.meta["val"] = _fake_like(first.args[1], getattr(gm, f"{name}_weight"))
+                w_node.meta["val"] = fake_like(first.args[1], getattr(gm, f"{name}_weight"))
                 args = [x, w_node]
                 if all(has_bias):
-                    biases = [_param(gm, u.args[2]) for u in order]
+                    biases = [param_of(gm, u.args[2]) for u in order]
                     gm.register_parameter(f"{name}_bias", torch.nn.Parameter(torch.cat(biases, 0), requires_grad=False))
                     b_node = graph.get_attr(f"{name}_bias")
-                    b_node.meta["val"] = _fake_like(first.args[1], getattr(gm, f"{name}_bias"))
+                    b_node.meta["val"] = fake_like(first.args[1], getattr(gm, f"{name}_bias"))
                     args.append(b_node)
                 y = add_call(graph, aten.linear.default, tuple(args), like=first)
                 y.meta["fused_weights"] = [u.args[1].target for u in order]  # for later passes (assign_precision)
                 sizes = [w.shape[0] for w in weights]
                 parts = add_call(graph, aten.split_with_sizes.default, (y, sizes, -1), like=first)
-                import operator
-
                 for i, u in enumerate(order):
                     piece = add_call(graph, operator.getitem, (parts, i), like=u)
                     u.replace_all_uses_with(piece)
@@ -78,11 +70,3 @@ class FuseProjections(Pass):
         eliminate_dead_code(gm)
         return PassResult(matches=fused, note=f"{fused} groups fused; {node_delta(gm, before)}")
 
-
-def _fake_like(reference_node, tensor: torch.Tensor):
-    """A fake tensor for a new parameter, in the same fake mode as an existing one."""
-    ref = reference_node.meta.get("val")
-    mode = getattr(ref, "fake_mode", None)
-    if mode is None:
-        return None
-    return mode.from_tensor(tensor)

@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, counted_nodes, fake_value, is_call, node_delta
+from ..graph_utils import add_call, each_match, fake_value, is_call, replace_matches
 from ..ops import rms_norm as rms_norm_op  # registers devin::rms_norm
 from ..pipeline import Pass, PassContext, PassResult
-from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
 _CAST = (aten.to.dtype, aten._to_copy.default)
@@ -61,26 +60,20 @@ def _match(mul_w: torch.fx.Node):
     return None
 
 
+def _build(graph: torch.fx.Graph, node: torch.fx.Node, match) -> torch.fx.Node:
+    x, w, eps = match
+    out_dtype = fake_value(node).dtype
+    if fake_value(x).device.type == "cpu":
+        rms_norm_op.load_cpu_kernel()
+    y = add_call(graph, torch.ops.devin.rms_norm.default, (x, w, eps), like=node)
+    if fake_value(y).dtype != out_dtype:
+        y = add_call(graph, aten.to.dtype, (y, out_dtype), like=node)
+    return y
+
+
 class FuseRMSNorm(Pass):
     name = "fuse_rms_norm"
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        graph = gm.graph
-        before = counted_nodes(gm)
-        count = 0
-        for node in list(graph.nodes):
-            m = _match(node)
-            if m is None:
-                continue
-            x, w, eps = m
-            out_dtype = fake_value(node).dtype
-            with graph.inserting_before(node):
-                if fake_value(x).device.type == "cpu":
-                    rms_norm_op.load_cpu_kernel()
-                y = add_call(graph, torch.ops.devin.rms_norm.default, (x, w, eps), like=node)
-                if fake_value(y).dtype != out_dtype:
-                    y = add_call(graph, aten.to.dtype, (y, out_dtype), like=node)
-            node.replace_all_uses_with(y)
-            count += 1
-        eliminate_dead_code(gm)
-        return PassResult(matches=count, note=f"{count} RMSNorms fused; {node_delta(gm, before)}")
+        done = replace_matches(gm, each_match(gm, _match), _build)
+        return PassResult(matches=done.count, note=f"{done.count} RMSNorms fused; {done.delta(gm)}")

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, counted_nodes, fake_value, is_call, node_delta
+from ..graph_utils import add_call, fake_value, is_call, replace_matches
 from ..pipeline import Pass, PassContext, PassResult
-from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
 _END = 2**62
@@ -71,30 +70,24 @@ def _match(add: torch.fx.Node):
     return None
 
 
+def _build(graph: torch.fx.Graph, rot_mul: torch.fx.Node, match) -> torch.fx.Node:
+    """``roll(x, h) · sin'`` (operands in ``rot_mul``'s order) for ``rot_mul = rotate_half(x) · sin``."""
+    x, _cos_mul, _rot_mul, rot, sin = match
+    h = fake_value(x).shape[-1] // 2
+    s1 = add_call(graph, aten.slice.Tensor, (sin, -1, 0, h), like=rot_mul)
+    s2 = add_call(graph, aten.slice.Tensor, (sin, -1, h, _END), like=rot_mul)
+    signed = add_call(graph, aten.cat.default, ([add_call(graph, aten.neg.default, (s1,), like=rot_mul), s2], -1),
+                      like=rot_mul)
+    rolled = add_call(graph, aten.roll.default, (x, [h], [-1]), like=rot_mul)
+    args = (rolled, signed) if rot_mul.args[0] is rot else (signed, rolled)
+    return add_call(graph, aten.mul.Tensor, args, like=rot_mul)
+
+
 class FuseRotary(Pass):
     name = "fuse_rotary"
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        graph = gm.graph
-        before = counted_nodes(gm)
-        count = 0
-        for node in list(graph.nodes):
-            m = _match(node)
-            if m is None:
-                continue
-            x, cos_mul, rot_mul, rot, sin = m
-            d = fake_value(x).shape[-1]
-            h = d // 2
-            rot_first = rot_mul.args[0] is rot
-            with graph.inserting_before(rot_mul):
-                s1 = add_call(graph, aten.slice.Tensor, (sin, -1, 0, h), like=rot_mul)
-                s2 = add_call(graph, aten.slice.Tensor, (sin, -1, h, _END), like=rot_mul)
-                signed = add_call(graph, aten.cat.default, ([add_call(graph, aten.neg.default, (s1,), like=rot_mul), s2], -1),
-                                  like=rot_mul)
-                rolled = add_call(graph, aten.roll.default, (x, [h], [-1]), like=rot_mul)
-                args = (rolled, signed) if rot_first else (signed, rolled)
-                new_mul = add_call(graph, aten.mul.Tensor, args, like=rot_mul)
-            rot_mul.replace_all_uses_with(new_mul)
-            count += 1
-        eliminate_dead_code(gm)
-        return PassResult(matches=count, note=f"{count} rotary embeddings rewritten; {node_delta(gm, before)}")
+        # the rewrite replaces the product with rotate_half (inserting before it), not the matched sum
+        matches = ((m[2], m) for node in list(gm.graph.nodes) if (m := _match(node)) is not None)
+        done = replace_matches(gm, matches, _build)
+        return PassResult(matches=done.count, note=f"{done.count} rotary embeddings rewritten; {done.delta(gm)}")

@@ -17,10 +17,9 @@ import operator
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, counted_nodes, fake_value, is_call, node_delta
+from ..graph_utils import add_call, each_match, fake_value, is_call, replace_matches
 from ..ops import silu_mul as silu_mul_op  # registers devin::silu_mul
 from ..pipeline import Pass, PassContext, PassResult
-from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
 
@@ -57,22 +56,15 @@ def _match(mul: torch.fx.Node):
     return None
 
 
+def _build(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node) -> torch.fx.Node:
+    if fake_value(x).device.type == "cpu":
+        silu_mul_op.load_cpu_kernel()
+    return add_call(graph, torch.ops.devin.silu_mul.default, (x,), like=node)
+
+
 class FuseSiluMul(Pass):
     name = "fuse_silu_mul"
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        graph = gm.graph
-        before = counted_nodes(gm)
-        count = 0
-        for node in list(graph.nodes):
-            x = _match(node)
-            if x is None:
-                continue
-            with graph.inserting_before(node):
-                if fake_value(x).device.type == "cpu":
-                    silu_mul_op.load_cpu_kernel()
-                y = add_call(graph, torch.ops.devin.silu_mul.default, (x,), like=node)
-            node.replace_all_uses_with(y)
-            count += 1
-        eliminate_dead_code(gm)
-        return PassResult(matches=count, note=f"{count} gated MLPs fused; {node_delta(gm, before)}")
+        done = replace_matches(gm, each_match(gm, _match), _build)
+        return PassResult(matches=done.count, note=f"{done.count} gated MLPs fused; {done.delta(gm)}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import is_call
+from ..graph_utils import is_call, is_logits_linear
 from ..pipeline import Pass, PassContext, PassError, PassResult, Program
 
 aten = torch.ops.aten
@@ -80,7 +80,7 @@ class OffloadEmbeddings(Pass):
                 if "embedding" in self.roles and is_call(node, aten.embedding.default) and node.args[0].op == "get_attr":
                     _offload_embedding(gm, node, device, moved)
                     found.add("embedding")
-                elif "lm_head" in self.roles and _is_head(node):
+                elif "lm_head" in self.roles and is_logits_linear(node):
                     _offload_head(gm, node, device, moved)
                     found.add("lm_head")
             missing = self.roles - found
@@ -128,24 +128,6 @@ def _offload_embedding(gm, node, device, moved) -> None:
         back = _to(graph, emb, device)
     node.replace_all_uses_with(back)
     graph.erase_node(node)
-
-
-def _is_head(node: torch.fx.Node) -> bool:
-    """The linear whose output reaches the graph output without another linear in between."""
-    if not is_call(node, aten.linear.default) or node.args[1].op != "get_attr":
-        return False
-    frontier, seen = list(node.users), set()
-    while frontier:
-        n = frontier.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "output":
-            return True
-        if is_call(n, aten.linear.default):
-            return False
-        frontier.extend(n.users)
-    return False
 
 
 def _offload_head(gm, node, device, moved) -> None:

@@ -1,20 +1,23 @@
 """The pass table: every pass of ``optimize()``'s pipeline, in order, with when it runs.
 
 One row per pass (AutoDeploy/vLLM style): its class (which gives the name and ``requires``),
-its stage, what enables it and how it is built from the typed inputs. The pipeline for a
-config is the table's enabled rows, in table order; :class:`~devin_compile.pipeline.PassManager`
-then checks that every pass's prerequisites run before it.
+its stage, what enables it, which passes it must follow when they run too (``after``) and how
+it is built from the typed inputs. The pipeline for a config is the table's enabled rows, in
+table order. :func:`check_table` checks the table itself (each row's ``requires`` and ``after``
+stand above it, stages in order); :class:`~devin_compile.pipeline.PassManager` then checks
+that every pass's prerequisites run before it.
 
-``enabled_by`` is either a tuple of :class:`~devin_compile.config.OptimizeConfig` flags, all of
-which must be true (``()``: always), or a :class:`When` predicate over the
-:class:`PipelineInputs` (for inputs that are not flags: a quantized model, offloaded roles).
+``enabled_by`` is None (always), :class:`Flags` (pass options of ``config.passes``, all of
+which must be true) or a :class:`When` predicate over the :class:`PipelineInputs` (for inputs
+that are not pass options: a quantized model, offloaded roles, ``kv_prune=``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config import OptimizeConfig
+from ..config import OptimizeConfig, PassOptions
 from ..pipeline import Pass
 from ..quant.config import QuantConfig
 from ..quant.result import QuantResult
@@ -30,9 +33,9 @@ from .fuse_rotary import FuseRotary
 from .fuse_silu_mul import FuseSiluMul
 from .insert_kv_prune import InsertKVPrune
 from .offload_embeddings import OffloadEmbeddings
-from .pack_linears import PackLinears
-from .prepack_experts import PrepackExperts
-from .prepack_linear import PrepackLinear
+from .pack_gemm_linears import PackGemmLinears
+from .prepack_onednn_experts import PrepackOneDNNExperts
+from .prepack_onednn_linears import PrepackOneDNNLinears
 from .split_phases import SplitPhases
 from .upcast_linear import UpcastLinear
 
@@ -48,6 +51,44 @@ class PipelineInputs:
     config: OptimizeConfig
     offload_roles: frozenset[str] = frozenset()
     quant: tuple[QuantResult, QuantConfig] | None = None
+
+
+class _OptionReads:
+    """Stands in for :class:`PassOptions` to learn which fields a :class:`Flags` test reads."""
+
+    def __init__(self) -> None:
+        self.read: list[str] = []
+
+    def __getattr__(self, name: str) -> bool:
+        if name not in _PASS_OPTIONS:
+            raise AttributeError(f"PassOptions has no field {name!r} (fields: {sorted(_PASS_OPTIONS)})")
+        self.read.append(name)
+        return True
+
+
+_PASS_OPTIONS = {f.name for f in dataclasses.fields(PassOptions)}
+
+
+@dataclass(frozen=True)
+class Flags:
+    """Enabled when the pass options ``test`` reads are all true, e.g.
+    ``Flags(lambda o: o.fuse_projections and o.fuse_silu_mul)`` over ``config.passes``."""
+
+    test: Callable[[PassOptions], bool]
+
+    def __call__(self, inputs: PipelineInputs) -> bool:
+        return bool(self.test(inputs.config.passes))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The option fields the test reads (an unknown field is an ``AttributeError``)."""
+        reads = _OptionReads()
+        self.test(reads)  # type: ignore[arg-type]
+        return tuple(reads.read)
+
+    @property
+    def text(self) -> str:
+        return " and ".join(f"{name}=True" for name in self.names)
 
 
 @dataclass(frozen=True)
@@ -67,7 +108,8 @@ class PassSpec:
 
     pass_cls: type[Pass]
     stage: str
-    enabled_by: tuple[str, ...] | When = ()
+    enabled_by: Flags | When | None = None
+    after: tuple[str, ...] = ()  # passes that must run before this one when they run too
     build: Callable[[PipelineInputs], Pass] | None = None  # None: ``pass_cls()``
 
     @property
@@ -79,14 +121,10 @@ class PassSpec:
         return self.pass_cls.requires
 
     def enabled(self, inputs: PipelineInputs) -> bool:
-        if isinstance(self.enabled_by, When):
-            return self.enabled_by(inputs)
-        return all(getattr(inputs.config, flag) for flag in self.enabled_by)
+        return self.enabled_by is None or self.enabled_by(inputs)
 
     def describe_enabled_by(self) -> str:
-        if isinstance(self.enabled_by, When):
-            return self.enabled_by.text
-        return " and ".join(f"{flag}=True" for flag in self.enabled_by) or "always"
+        return "always" if self.enabled_by is None else self.enabled_by.text
 
     def make(self, inputs: PipelineInputs) -> Pass:
         return self.build(inputs) if self.build is not None else self.pass_cls()
@@ -94,41 +132,65 @@ class PassSpec:
 
 PASS_TABLE: tuple[PassSpec, ...] = (
     PassSpec(AttentionToPaged, "lower"),
-    PassSpec(FuseRMSNorm, "fuse", ("fuse_rms_norm",)),
-    PassSpec(FuseRotary, "fuse", ("fuse_rotary",)),
-    PassSpec(FuseProjections, "fuse", ("fuse_projections",)),
-    # matches the split of fuse_projections' fused gate/up
-    PassSpec(FuseSiluMul, "fuse", ("fuse_projections", "fuse_silu_mul")),
+    PassSpec(FuseRMSNorm, "fuse", Flags(lambda o: o.fuse_rms_norm)),
+    PassSpec(FuseRotary, "fuse", Flags(lambda o: o.fuse_rotary)),
+    PassSpec(FuseProjections, "fuse", Flags(lambda o: o.fuse_projections)),
+    PassSpec(FuseSiluMul, "fuse", Flags(lambda o: o.fuse_projections and o.fuse_silu_mul), after=("fuse_projections",)),
     PassSpec(AssignPrecision, "precision", When(lambda i: i.quant is not None, "quantization= or quantized="),
              build=lambda i: AssignPrecision(*i.quant)),
-    PassSpec(SplitPhases, "phases", ("split_phases",), build=lambda i: SplitPhases(i.config.decode_buckets)),
+    PassSpec(SplitPhases, "phases", Flags(lambda o: o.split_phases), build=lambda i: SplitPhases(i.config.decode_buckets)),
     PassSpec(InsertKVPrune, "phases", When(lambda i: i.config.kv_prune is not None, "kv_prune=")),
     PassSpec(OffloadEmbeddings, "placement", When(lambda i: bool(i.offload_roles), "offload_layers="),
              build=lambda i: OffloadEmbeddings(set(i.offload_roles))),
-    PassSpec(PackLinears, "linear_kernels", ("pack_linears",)),  # before prepack_linear takes the rest
-    PassSpec(PrepackLinear, "linear_kernels", ("prepack_linear",)),
-    # before prepack_experts: the expert blocks it fuses leave no grouped GEMMs to prepack
-    PassSpec(FuseMoEExperts, "linear_kernels", ("fuse_moe_experts",)),
-    PassSpec(PrepackExperts, "linear_kernels", ("prepack_linear",)),  # MoE experts are linears too
-    PassSpec(UpcastLinear, "linear_kernels", ("upcast_linear",)),
+    PassSpec(PackGemmLinears, "linear_kernels", Flags(lambda o: o.pack_linears), after=("assign_precision",)),
+    PassSpec(PrepackOneDNNLinears, "linear_kernels", Flags(lambda o: o.prepack_linear),
+             after=("assign_precision", "pack_gemm_linears")),
+    PassSpec(FuseMoEExperts, "linear_kernels", Flags(lambda o: o.fuse_moe_experts)),
+    PassSpec(PrepackOneDNNExperts, "linear_kernels", Flags(lambda o: o.prepack_linear), after=("fuse_moe_experts",)),
+    PassSpec(UpcastLinear, "linear_kernels", Flags(lambda o: o.upcast_linear), after=("assign_precision",)),
     PassSpec(Cleanup, "cleanup"),
-    # fuse_rotary's roll form, after cleanup's CSE has left one cos and one sin per step
-    PassSpec(FuseAttentionInputs, "late_fuse", ("fuse_rotary", "fuse_attention_inputs")),
-    PassSpec(CompileDecode, "compile", ("compile_decode",),
+    PassSpec(FuseAttentionInputs, "late_fuse", Flags(lambda o: o.fuse_rotary and o.fuse_attention_inputs)),
+    PassSpec(CompileDecode, "compile", When(lambda i: i.config.compile_decode, "compile_decode=True"),
+             after=("cleanup", "fuse_attention_inputs"),
              build=lambda i: CompileDecode(i.config.decode_buckets, i.config.scheduler.max_num_seqs,
                                            i.config.compile_decode_options)),
 )
 
 
+def check_table(table: tuple[PassSpec, ...]) -> None:
+    """A ``ValueError`` unless names are unique, stages in :data:`STAGES` order, every ``requires`` and
+    ``after`` of a row names a row above it, and every :class:`Flags` reads existing pass options."""
+    above: set[str] = set()
+    last = 0
+    for spec in table:
+        if spec.stage not in STAGES:
+            raise ValueError(f"pass table: {spec.name!r} has stage {spec.stage!r}; stages: {list(STAGES)}")
+        if STAGES.index(spec.stage) < last:
+            raise ValueError(f"pass table: {spec.name!r} (stage {spec.stage!r}) comes after a later stage")
+        for before in (*spec.requires, *spec.after):
+            if before not in above:
+                raise ValueError(f"pass table: {spec.name!r} must run after {before!r}, which is not a row above it")
+        if spec.name in above:
+            raise ValueError(f"pass table: {spec.name!r} has two rows")
+        spec.describe_enabled_by()  # a Flags test reading an unknown option fails here
+        above.add(spec.name)
+        last = STAGES.index(spec.stage)
+
+
+check_table(PASS_TABLE)
+
+
 def build_passes(inputs: PipelineInputs, table: tuple[PassSpec, ...] = PASS_TABLE) -> list[Pass]:
     """The enabled rows of ``table`` for ``inputs``, built, in table order."""
+    if table is not PASS_TABLE:
+        check_table(table)
     return [spec.make(inputs) for spec in table if spec.enabled(inputs)]
 
 
 def table_markdown(table: tuple[PassSpec, ...] = PASS_TABLE) -> str:
-    """The table as markdown (pass, stage, enabled by, requires), for docs and ``--help`` text."""
-    lines = ["| # | pass | stage | enabled by | requires |", "|---|---|---|---|---|"]
+    """The table as markdown (pass, stage, enabled by, requires, after), for docs and ``--help`` text."""
+    lines = ["| # | pass | stage | enabled by | requires | after |", "|---|---|---|---|---|---|"]
     for i, spec in enumerate(table, start=1):
         lines.append(f"| {i:02d} | {spec.name} | {spec.stage} | {spec.describe_enabled_by()} | "
-                     f"{', '.join(spec.requires) or '-'} |")
+                     f"{', '.join(spec.requires) or '-'} | {', '.join(spec.after) or '-'} |")
     return "\n".join(lines)

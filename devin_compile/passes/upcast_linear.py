@@ -5,7 +5,7 @@ Pattern → replacement::
     linear(x, W[, b])  →  upcast_linear(x, W, b, min_rows)
 
 for every linear whose weight is a bf16/fp16 CPU parameter, on CPUs where oneDNN has no
-native kernel for that dtype (there :mod:`.prepack_linear` applies instead and this pass
+native kernel for that dtype (there ``prepack_onednn_linears`` applies instead and this pass
 skips). :func:`devin_compile.ops.upcast_linear.upcast_linear` keeps the half-precision
 linear below ``min_rows`` rows and computes in float32 above it (3–7x faster GEMMs here at
 8–256 rows: prefill, batched decode). Invariants: same output shape and dtype as the linear
@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..ops.prepacked_linear import prepack_supported
+from ..graph_utils import cpu_linears, swap_call
+from ..ops.onednn_linear import onednn_supports
 from ..ops.upcast_linear import upcast_linear
 from ..pipeline import Pass, PassContext, PassResult, Program
-from .prepack_linear import cpu_linears
 
 MIN_ROWS = 8  # measured crossover on this CPU: equal at 4 rows, 1.7x (layers) / 1.8x (lm_head) at 8
 
@@ -38,8 +38,8 @@ class UpcastLinear(Pass):
             return f"model is on {info.device.type}, not CPU"
         if info.dtype not in (torch.bfloat16, torch.float16):
             return f"{info.dtype} linears already run at full speed"
-        if prepack_supported(info.dtype):
-            return f"this CPU has native oneDNN {info.dtype} linears (prepack_linear uses them)"
+        if onednn_supports(info.dtype):
+            return f"this CPU has native oneDNN {info.dtype} linears (prepack_onednn_linears uses them)"
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
@@ -48,10 +48,6 @@ class UpcastLinear(Pass):
         graph = gm.graph
         count = 0
         for node, _w, bias in cpu_linears(gm, (torch.bfloat16, torch.float16)):
-            with graph.inserting_before(node):
-                new = graph.call_function(upcast_linear, (node.args[0], node.args[1], bias, self.min_rows))
-                new.meta = dict(node.meta)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+            swap_call(graph, node, upcast_linear, (node.args[0], node.args[1], bias, self.min_rows))
             count += 1
         return PassResult(matches=count, note=f"{count} linears upcast to float32 from {self.min_rows} rows")

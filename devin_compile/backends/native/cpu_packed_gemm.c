@@ -1,5 +1,5 @@
 // Float32 GEMMs over weights packed in blocks of 16 output columns, for the few rows of a decode
-// step: devin::moe_experts' two phases and devin::packed_linear. Layouts:
+// step: devin::moe_experts' two phases and devin::packed_gemm_linear. Layouts:
 //
 //   dense   [N/16][K][16]:    for output block j, row k holds columns 16j..16j+15 (a [N, K] weight);
 //   gate_up [E][F/16][H][32]: for block j, row k holds gate columns 16j..16j+15 then the same up
@@ -15,7 +15,7 @@
 // devin_moe_gate_up:   buf[p] = [x[tok[p]] @ gate_eᵀ | x[tok[p]] @ up_eᵀ] (row p: 2F floats), pairs
 //                      sorted by expert (offs[e]..offs[e+1] are expert e's);
 // devin_moe_down:      y[pair[p]] = (h[p] @ down_eᵀ) * pair_w[pair[p]] (row: H floats);
-// devin_packed_linear: y[r] = x[r] @ Wᵀ (dense layout).
+// devin_packed_gemm_linear: y[r] = x[r] @ Wᵀ (dense layout).
 // Each returns 0, or 1 for shapes the packing does not cover (a dimension not a multiple of 16).
 #include <stdint.h>
 #include <string.h>
@@ -167,7 +167,7 @@ int devin_moe_down(const float *hbuf, const int64_t *pair, const float *pair_w, 
     return 0;
 }
 
-int devin_packed_linear(const float *x, int64_t x_stride, int64_t m, const float *w, int n, int k, float *y,
+int devin_packed_gemm_linear(const float *x, int64_t x_stride, int64_t m, const float *w, int n, int k, float *y,
                         int64_t y_stride, int num_threads) {
     if (n <= 0 || k <= 0 || n % 16 || k % 2) return 1;
     const int nb = n / 16;

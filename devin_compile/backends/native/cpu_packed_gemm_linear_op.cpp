@@ -1,7 +1,7 @@
-// The CPU kernel of devin::packed_linear (float32): y = x @ Wᵀ (+ bias) over a weight packed as
+// The CPU kernel of devin::packed_gemm_linear (float32): y = x @ Wᵀ (+ bias) over a weight packed as
 // [ceil(N/16)][K][16] (cpu_packed_gemm.c's dense layout, zero columns past N), streamed once for all
 // rows of x; a padded N is computed whole and the first N columns copied out. Built and
-// loaded by backends/fused/cpu_packed_linear_op.py. Calls outside its preconditions (another
+// loaded by backends/fused/cpu_packed_gemm_linear_op.py. Calls outside its preconditions (another
 // dtype, another layout) are redispatched to the op's Python kernel (CompositeExplicitAutograd).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -11,14 +11,14 @@
 
 #include <optional>
 
-extern "C" int devin_packed_linear(const float *x, int64_t x_stride, int64_t m, const float *w, int n, int k,
+extern "C" int devin_packed_gemm_linear(const float *x, int64_t x_stride, int64_t m, const float *w, int n, int k,
                                    float *y, int64_t y_stride, int num_threads);
 
 namespace {
 
 using Signature = at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &, int64_t);
 
-at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
+at::Tensor packed_gemm_linear_cpu(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
                              int64_t out_features) {
     const auto f32 = c10::ScalarType::Float;
     const bool fits = x.scalar_type() == f32 && x.dim() >= 1 && weight.scalar_type() == f32 && weight.dim() == 3 &&
@@ -26,7 +26,7 @@ at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &weight, cons
                       weight.size(1) % 2 == 0 && out_features > (weight.size(0) - 1) * 16 &&
                       out_features <= weight.size(0) * 16 && (!bias.has_value() || bias->scalar_type() == f32);
     if (!fits) {
-        static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("devin::packed_linear", "").typed<Signature>();
+        static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("devin::packed_gemm_linear", "").typed<Signature>();
         return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), x, weight, bias,
                              out_features);
     }
@@ -37,9 +37,9 @@ at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &weight, cons
     sizes.back() = n;
     at::Tensor out = at::empty(sizes, x.options());
     if (m > 0) {
-        const int rc = devin_packed_linear(xc.data_ptr<float>(), k, m, weight.data_ptr<float>(), (int)n, (int)k,
+        const int rc = devin_packed_gemm_linear(xc.data_ptr<float>(), k, m, weight.data_ptr<float>(), (int)n, (int)k,
                                            out.data_ptr<float>(), n, at::get_num_threads());
-        TORCH_CHECK(rc == 0, "devin::packed_linear: the kernel rejected a weight of ", weight.sizes());
+        TORCH_CHECK(rc == 0, "devin::packed_gemm_linear: the kernel rejected a weight of ", weight.sizes());
     }
     if (out_features != n) out = out.narrow(-1, 0, out_features).contiguous();
     if (bias.has_value()) out.add_(*bias);
@@ -48,4 +48,4 @@ at::Tensor packed_linear_cpu(const at::Tensor &x, const at::Tensor &weight, cons
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(devin, CPU, m) { m.impl("packed_linear", TORCH_FN(packed_linear_cpu)); }
+TORCH_LIBRARY_IMPL(devin, CPU, m) { m.impl("packed_gemm_linear", TORCH_FN(packed_gemm_linear_cpu)); }

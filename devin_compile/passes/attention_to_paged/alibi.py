@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..pipeline import PassError
+from ...pipeline import PassError
 
 PROBE_LEN = 64
 

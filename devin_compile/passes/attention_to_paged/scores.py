@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import RESHAPES, is_call, node_shape
+from ...graph_utils import RESHAPES, is_call, node_shape
 
 aten = torch.ops.aten
 

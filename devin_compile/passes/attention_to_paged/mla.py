@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import RESHAPES, add_call, is_call, node_shape
-from ..pipeline import PassError
+from ...graph_utils import RESHAPES, add_call, is_call, node_shape
+from ...pipeline import PassError
+from .sites import AttentionSite, batched_heads, flat_heads
 
 aten = torch.ops.aten
 _GETITEM = __import__("operator").getitem
@@ -87,14 +88,13 @@ def _k_rope(k: object, dn: int) -> tuple[object, list[torch.fx.Node]]:
     return None, []
 
 
-def _flat_heads(graph, x: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
-    return add_call(graph, aten.squeeze.dim, (add_call(graph, aten.transpose.int, (x, 1, 2), like=like), 0), like=like)
-
-
-def rewrite_mla_site(gm: torch.fx.GraphModule, site, layer: int, scale: float, info, path: str) -> list[torch.fx.Node]:
-    """Replace one MLA attention site; returns the in-place copy nodes to erase once dead."""
+def build_mla_attention(graph: torch.fx.Graph, site: AttentionSite, k: torch.fx.Node, v: torch.fx.Node, layer: int,
+                        scale: float, info, path: str) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """Insert one MLA site's ``devin::mla_attention`` (at the graph's insertion point), over the
+    un-repeated key ``k`` and value ``v``; returns the node replacing ``site.output`` and the
+    in-place copy nodes to erase once dead."""
     R, dr = info.mla
-    found = _kv_b(site.v)
+    found = _kv_b(v)
     if found is None:
         raise PassError(f"{path}: multi-head latent attention, but the value is not split from "
                         "linear(latent, kv_b_proj.weight) as in DeepSeek's expand_kv")
@@ -102,7 +102,6 @@ def rewrite_mla_site(gm: torch.fx.GraphModule, site, layer: int, scale: float, i
     if (node_shape(c) or (None,))[-1] != R:
         raise PassError(f"{path}: kv_b_proj's input has width {(node_shape(c) or ('?',))[-1]}, expected "
                         f"kv_lora_rank {R}")
-    k = site.k
     k_rope, copies = _k_rope(k, dn)
     nope = [cp.args[1] for cp in copies if cp.args[1] is not None]
     if k_rope is None or (node_shape(k_rope) or (None,))[-1] != dr or (node_shape(k_rope) or (0, 0))[1] != 1:
@@ -116,19 +115,13 @@ def rewrite_mla_site(gm: torch.fx.GraphModule, site, layer: int, scale: float, i
     if (node_shape(q_nope) or (None,))[-1] != dn or (node_shape(q_rope) or (None,))[-1] != dr:
         raise PassError(f"{path}: query parts of widths {node_shape(q_nope)}, {node_shape(q_rope)}; "
                         f"expected qk_nope_head_dim {dn} and qk_rope_head_dim {dr}")
-    graph = gm.graph
-    out_node = site.output
-    with graph.inserting_before(out_node):
-        qn = _flat_heads(graph, q_nope, out_node)
-        qr = _flat_heads(graph, q_rope, out_node)
-        lat = add_call(graph, aten.reshape.default, (c, [-1, R]), like=out_node)
-        kr = add_call(graph, aten.reshape.default, (k_rope, [-1, dr]), like=out_node)
-        out = add_call(graph, torch.ops.devin.mla_attention.default, (qn, qr, lat, kr, w, layer, float(scale)),
-                       like=out_node)
-        result = add_call(graph, aten.transpose.int, (add_call(graph, aten.unsqueeze.default, (out, 0), like=out_node),
-                                                      1, 2), like=out_node)
-    out_node.replace_all_uses_with(result)
-    return copies
+    like = site.output
+    qn = flat_heads(graph, q_nope, like)
+    qr = flat_heads(graph, q_rope, like)
+    lat = add_call(graph, aten.reshape.default, (c, [-1, R]), like=like)
+    kr = add_call(graph, aten.reshape.default, (k_rope, [-1, dr]), like=like)
+    out = add_call(graph, torch.ops.devin.mla_attention.default, (qn, qr, lat, kr, w, layer, float(scale)), like=like)
+    return batched_heads(graph, out, like), copies
 
 
 def drop_dead_copies(gm: torch.fx.GraphModule, copies: list[torch.fx.Node]) -> None:
