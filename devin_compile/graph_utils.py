@@ -1,6 +1,6 @@
 """The FX helpers passes share (the one module for them: a pass imports no other pass).
 
-- reading a graph: :func:`fake_value`, :func:`node_shape`, :func:`has_shape`, :func:`is_call`,
+- reading a graph: :func:`fake_value`, :func:`node_shape`, :func:`has_shape`, :func:`is_call`, :func:`has_call`,
   :func:`param_of`, :func:`linear_bias`, :func:`is_logits_linear`, :func:`cpu_linears`,
   :func:`grouped_mm_fallback_op`, :func:`is_expert_transpose`, :func:`transposed_expert_weight`;
 - writing it: :func:`add_call` (a node with its fake value), :func:`add_constant` (a tensor the
@@ -86,6 +86,11 @@ def describe_value(v: Any) -> str:
 
 def is_call(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def has_call(gms: Iterable[torch.fx.GraphModule], target: Any) -> bool:
+    """Whether any of the graphs calls ``target`` (False for a None target)."""
+    return target is not None and any(is_call(n, target) for gm in gms for n in gm.graph.nodes)
 
 
 _UNCOUNTED = ("placeholder", "output", "get_attr")
@@ -269,7 +274,8 @@ def swap_call(graph: torch.fx.Graph, node: torch.fx.Node, target: Callable, args
 M = TypeVar("M")
 
 
-def each_match(gm: torch.fx.GraphModule, match: Callable[[torch.fx.Node], M | None]) -> Iterator[tuple[torch.fx.Node, M]]:
+def each_match(gm: torch.fx.GraphModule,
+               match: Callable[[torch.fx.Node], M | None]) -> Iterator[tuple[torch.fx.Node, M]]:
     """``(node, match(node))`` for the graph's nodes (as they were when it started) that match."""
     for node in list(gm.graph.nodes):
         m = match(node)

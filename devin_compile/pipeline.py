@@ -133,6 +133,9 @@ class Pass:
     # True when the pass executes or traces a graph's Python code (e.g. torch.compile on it):
     # the manager then recompiles the graphs before it. Rewrites of graph nodes need not.
     runs_graphs: ClassVar[bool] = False
+    # Set (to the note the report shows) by a pass whose rewrite Inductor does its own way: with
+    # ``config.compile_decode`` the decode graph is left to it, and ``run_graph`` never sees it.
+    leaves_compiled_decode: ClassVar[str | None] = None
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -145,7 +148,10 @@ class Pass:
         total = PassResult()
         notes = []
         for phase, gm in program.graphs.items():
-            r = self.run_graph(gm, phase, ctx)
+            if phase == "decode" and self.leaves_compiled_decode and ctx.config.compile_decode:
+                r = PassResult(note=self.leaves_compiled_decode)
+            else:
+                r = self.run_graph(gm, phase, ctx)
             total.matches += r.matches
             if r.note:
                 notes.append(r.note if len(program.graphs) == 1 else f"{phase}: {r.note}")

@@ -107,3 +107,49 @@ def test_runtime_never_imports_a_pass(graph):
     bad = [f"{a} -> {b}" for a, b in graph.edges
            if a.startswith("devin_compile.runtime") and b.startswith("devin_compile.passes")]
     assert not bad, bad
+
+
+def _pass_of(module: str) -> str | None:
+    """The pass a module of ``passes/`` belongs to (``passes.attention_to_paged.mla`` → ``attention_to_paged``);
+    None for the package itself and for the pass table, which import every pass."""
+    parts = module.split(".")
+    if parts[:2] != ["devin_compile", "passes"] or len(parts) < 3 or parts[2] == "table":
+        return None
+    return parts[2]
+
+
+def test_passes_are_on_one_floor(graph):
+    """No pass imports another pass: what passes share lives below them (graph_utils, ops, pipeline)."""
+    bad = [f"{a} -> {b}" for a, b in graph.edges
+           if _pass_of(a) is not None and b.startswith("devin_compile.passes") and _pass_of(b) != _pass_of(a)]
+    assert not bad, "pass modules importing another pass:\n" + "\n".join(sorted(bad))
+
+
+def test_no_pass_imports_a_private_name():
+    """``from .x import _name`` reaches into another module's private helpers; what passes share has
+    public names (graph_utils, ops, pipeline), and a pass's own parts too."""
+    mods = _modules()
+    bad = []
+    for module, path in mods.items():
+        if not module.startswith("devin_compile.passes"):
+            continue
+        is_pkg = path.name == "__init__.py"
+        base = module.split(".") if is_pkg else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = (".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+                      if node.level else node.module or "")
+            if not target.startswith("devin_compile") or target == module:
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+                       and f"{target}.{a.name}" not in mods]
+            if private:
+                bad.append(f"{module} imports {private} from {target}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_passes_never_call_onednn_directly():
+    """oneDNN (``torch.ops.mkldnn``) is a kernel: passes reach it through ``ops.onednn_linear``."""
+    bad = [str(p.relative_to(PKG)) for p in (PKG / "passes").rglob("*.py") if "torch.ops.mkldnn" in p.read_text()]
+    assert not bad, bad

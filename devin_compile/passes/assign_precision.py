@@ -137,9 +137,10 @@ class AssignPrecision(Pass):
             parts = [res.linears[n] for n in names]
             n_out, k, g = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].group_size
             if tuple(w.shape) != (n_out, k) or any(p.shape[1] != k or p.group_size != g for p in parts):
-                raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the quantized "
-                                f"parts {names} have shapes {[p.shape for p in parts]}")
-            cands.append(Candidate(node, names, n_out, k, g, 0.0, n_out * k * elem, int4_op.int4_bytes(n_out, k, g, elem)))
+                raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the "
+                                f"quantized parts {names} have shapes {[p.shape for p in parts]}")
+            fp_bytes, int4_bytes = n_out * k * elem, int4_op.int4_bytes(n_out, k, g, elem)
+            cands.append(Candidate(node, names, n_out, k, g, 0.0, fp_bytes, int4_bytes))
         if not cands:
             raise PassError("assign_precision: no graph linear matches the quantized model's linears "
                             f"(e.g. {next(iter(res.linears), None)}); was it made for this model?")

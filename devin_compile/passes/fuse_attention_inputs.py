@@ -26,7 +26,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import RESHAPES, add_call, counted_nodes, eliminate_dead_code, fake_value, has_shape, is_call, node_delta, transpose_dims
+from ..graph_utils import (RESHAPES, add_call, counted_nodes, eliminate_dead_code, fake_value, has_shape, is_call,
+                           node_delta, transpose_dims)
 from ..ops import rotary_heads as rotary_heads_op  # registers devin::rotary_heads
 from ..pipeline import Pass, PassContext, PassResult
 

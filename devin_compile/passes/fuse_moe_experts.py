@@ -34,7 +34,7 @@ import torch
 import torch.fx
 
 from ..graph_utils import (add_constant, counted_nodes, eliminate_dead_code, fake_value, grouped_mm_fallback_op,
-                           is_call, is_expert_transpose, node_delta, transposed_expert_weight)
+                           has_call, is_call, is_expert_transpose, node_delta, transposed_expert_weight)
 from ..ops import moe_experts as moe_op  # registers devin::moe_experts
 from ..pipeline import Pass, PassContext, PassResult, Program
 
@@ -209,6 +209,7 @@ def _layer_name(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
 
 class FuseMoEExperts(Pass):
     name = "fuse_moe_experts"
+    leaves_compiled_decode = "decode graph left to Inductor (compile_decode)"
 
     def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
         info = ctx.info
@@ -216,49 +217,59 @@ class FuseMoEExperts(Pass):
             return f"model is on {info.device.type}, not CPU (the op's reference kernel is no faster there)"
         if info is not None and info.dtype != torch.float32:
             return f"the CPU kernel computes float32; {info.dtype} experts are prepack_onednn_experts'"
-        target = grouped_mm_fallback_op()
-        if target is None or not any(is_call(n, target) for gm in program.graphs.values() for n in gm.graph.nodes):
+        if not has_call(program.graphs.values(), grouped_mm_fallback_op()):
             return "no MoE expert GEMMs (transformers.grouped_mm_fallback) in the graph"
         if not moe_op.load_cpu_kernel():
             return "the C++ kernel of devin::moe_experts cannot be built here (no C/C++ compiler)"
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        if phase == "decode" and ctx.config.compile_decode:
-            return PassResult(note="decode graph left to Inductor (compile_decode)")
-        grouped = grouped_mm_fallback_op()
-        graph = gm.graph
         before = counted_nodes(gm)
         fused, declined = 0, []
-        heads = {}  # offsets node → the first grouped GEMM over them (an expert block's gate/up)
-        for node in graph.nodes:
-            if is_call(node, grouped):
-                heads.setdefault(node.args[2], node)
-        for node in heads.values():
-            try:
-                m = _match(gm, node, grouped)
-            except _NoMatch as e:
-                declined.append(f"{_layer_name(gm, node)}: {e}")
+        for gate_up in _gate_up_gemms(gm.graph):
+            m = _match_block(gm, gate_up)
+            if isinstance(m, str):
+                declined.append(f"{_layer_name(gm, gate_up)}: {m}")
                 continue
-            e, f2, h = m.gate_up.shape
-            reason = moe_op.cpu_kernel_declines(m.gate_up.dtype, h, f2 // 2)
-            if reason is not None:
-                declined.append(f"{_layer_name(gm, node)}: {reason}")
-                continue
-            packed = ctx.shared_weights.get(self.name, (m.gate_up, m.down),
-                                            lambda: moe_op.pack_experts(m.gate_up, m.down))
-            with graph.inserting_before(m.out):
-                attrs = [add_constant(gm, f"moe_experts_{fused}_{suffix}", t)
-                         for suffix, t in zip(("gate_up", "down"), packed)]
-                new = graph.call_function(torch.ops.devin.moe_experts.default, (m.x, m.ids, m.weights, *attrs))
-                new.meta = dict(m.out.meta)
-            m.out.replace_all_uses_with(new)
-            for dead in _dead_chain(m.out, m.inverse):
-                if not dead.users:
-                    graph.erase_node(dead)
+            self._fuse(gm, ctx, m, fused)
             fused += 1
         eliminate_dead_code(gm)
         note = f"{fused} MoE expert blocks fused; {node_delta(gm, before)}"
         if declined:
             note += "; declined: " + "; ".join(declined)
         return PassResult(matches=fused, note=note)
+
+    def _fuse(self, gm: torch.fx.GraphModule, ctx: PassContext, m: _Experts, index: int) -> None:
+        """Replace one matched expert block by ``devin::moe_experts`` over its packed weights."""
+        graph = gm.graph
+        packed = ctx.shared_weights.get(self.name, (m.gate_up, m.down), lambda: moe_op.pack_experts(m.gate_up, m.down))
+        with graph.inserting_before(m.out):
+            attrs = [add_constant(gm, f"moe_experts_{index}_{suffix}", t)
+                     for suffix, t in zip(("gate_up", "down"), packed)]
+            new = graph.call_function(torch.ops.devin.moe_experts.default, (m.x, m.ids, m.weights, *attrs))
+            new.meta = dict(m.out.meta)
+        m.out.replace_all_uses_with(new)
+        for dead in _dead_chain(m.out, m.inverse):
+            if not dead.users:
+                graph.erase_node(dead)
+
+
+def _gate_up_gemms(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The first grouped GEMM over each expert-offsets node: an expert block's gate/up."""
+    grouped = grouped_mm_fallback_op()
+    heads: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if is_call(node, grouped):
+            heads.setdefault(node.args[2], node)
+    return list(heads.values())
+
+
+def _match_block(gm: torch.fx.GraphModule, gate_up: torch.fx.Node) -> _Experts | str:
+    """The expert block starting at ``gate_up``, or why it is declined (the chain differs, or the
+    kernel does not serve its sizes or dtype)."""
+    try:
+        m = _match(gm, gate_up, grouped_mm_fallback_op())
+    except _NoMatch as e:
+        return str(e)
+    _e, f2, h = m.gate_up.shape
+    return moe_op.cpu_kernel_declines(m.gate_up.dtype, h, f2 // 2) or m

@@ -34,6 +34,7 @@ aten = torch.ops.aten
 
 class PackGemmLinears(Pass):
     name = "pack_gemm_linears"
+    leaves_compiled_decode = "decode graph left to Inductor (compile_decode)"
 
     def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
         if ctx.info is not None and ctx.info.device.type != "cpu":
@@ -45,8 +46,6 @@ class PackGemmLinears(Pass):
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        if phase == "decode" and ctx.config.compile_decode:
-            return PassResult(note="decode graph left to Inductor (compile_decode)")
         graph = gm.graph
         before = counted_nodes(gm)
         every = packed_op.serves_many_rows()

@@ -1,4 +1,4 @@
-"""prepack_onednn_experts (CPU): MoE expert GEMMs → ``devin::grouped_linear`` over per-expert oneDNN-prepacked weights.
+"""prepack_onednn_experts (CPU): MoE expert GEMMs → ``devin::grouped_linear`` over oneDNN-prepacked experts.
 
 Pattern → replacement::
 
@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from .. import ops as _ops  # noqa: F401  (registers devin::grouped_linear)
-from ..graph_utils import (add_constant, counted_nodes, eliminate_dead_code, grouped_mm_fallback_op, is_call,
+from ..graph_utils import (add_constant, counted_nodes, eliminate_dead_code, grouped_mm_fallback_op, has_call, is_call,
                            node_delta, swap_call, transposed_expert_weight)
 from ..ops.onednn_linear import onednn_declines, prepack_weight
 from ..pipeline import Pass, PassContext, PassResult, Program
@@ -33,6 +33,7 @@ _BATCH_HINT = 4
 
 class PrepackOneDNNExperts(Pass):
     name = "prepack_onednn_experts"
+    leaves_compiled_decode = "decode graph left to Inductor (compile_decode)"
 
     def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
         reason = onednn_declines(ctx.info.device, ctx.info.dtype)
@@ -41,13 +42,11 @@ class PrepackOneDNNExperts(Pass):
         target = grouped_mm_fallback_op()
         if target is None:
             return "transformers registers no grouped_mm_fallback op (no MoE experts to match)"
-        if not any(is_call(n, target) for gm in program.graphs.values() for n in gm.graph.nodes):
+        if not has_call(program.graphs.values(), target):
             return "no MoE expert GEMMs in the graph"
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        if phase == "decode" and ctx.config.compile_decode:
-            return PassResult(note="decode graph left to Inductor (compile_decode)")
         target = grouped_mm_fallback_op()
         graph = gm.graph
         before = counted_nodes(gm)

@@ -27,13 +27,12 @@ from ..pipeline import Pass, PassContext, PassResult, Program
 
 class PrepackOneDNNLinears(Pass):
     name = "prepack_onednn_linears"
+    leaves_compiled_decode = "decode graph left dense: compile_decode packs its weights (Inductor freezing)"
 
     def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
         return onednn_declines(ctx.info.device, ctx.info.dtype)
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        if phase == "decode" and ctx.config.compile_decode:
-            return PassResult(note="decode graph left dense: compile_decode packs its weights (Inductor freezing)")
         graph = gm.graph
         before = counted_nodes(gm)
         packed: dict[str, str] = {}  # dense attr → packed attr (a weight read twice is registered once)
@@ -47,4 +46,5 @@ class PrepackOneDNNLinears(Pass):
             swap_call(graph, node, onednn_linear_op(), onednn_linear_args(node.args[0], wp, bias))
             count += 1
         eliminate_dead_code(gm)
-        return PassResult(matches=count, note=f"{count} linears on {len(packed)} packed weights; {node_delta(gm, before)}")
+        return PassResult(matches=count,
+                          note=f"{count} linears on {len(packed)} packed weights; {node_delta(gm, before)}")

@@ -27,6 +27,7 @@ MIN_ROWS = 8  # measured crossover on this CPU: equal at 4 rows, 1.7x (layers) /
 
 class UpcastLinear(Pass):
     name = "upcast_linear"
+    leaves_compiled_decode = "decode graph left to compile_decode"
 
     def __init__(self, min_rows: int = MIN_ROWS) -> None:
         super().__init__()
@@ -43,8 +44,6 @@ class UpcastLinear(Pass):
         return None
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
-        if phase == "decode" and ctx.config.compile_decode:
-            return PassResult(note="decode graph left to compile_decode")
         graph = gm.graph
         count = 0
         for node, _w, bias in cpu_linears(gm, (torch.bfloat16, torch.float16)):

@@ -5,7 +5,7 @@ pass :mod:`~devin_compile.passes.pack_gemm_linears` is about to emit the op.
 """
 from __future__ import annotations
 
-from ..native.build import TorchOpKernel, _cpu_flags
+from ..native.build import TorchOpKernel, cpu_flags
 
 _KERNEL = TorchOpKernel("cpu_packed_gemm_linear_op.cpp", "devin_compile.ops.packed_gemm_linear",
                         c_source="cpu_packed_gemm.c")
@@ -19,4 +19,4 @@ def load() -> bool:
 def tile_rows() -> int:
     """Rows per register tile of the kernel built here (``MR`` in ``cpu_packed_gemm.c``): 8 where
     ``-march=native`` enables AVX-512 (32 vector registers), else 2."""
-    return 8 if "avx512f" in _cpu_flags().split() else 2
+    return 8 if "avx512f" in cpu_flags().split() else 2

@@ -32,7 +32,7 @@ HEADERS = (HERE / "cpu_kernels.h", HERE / "cpu_torch_op.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -55,7 +55,7 @@ def cache_dir() -> Path:
 def _cached_build(stem: str, key_parts: list[str], commands) -> Path:
     """Run ``commands(out, workdir)`` (a list of argv lists writing the shared object ``out``)
     unless a build with the same key is cached; returns the cached shared object."""
-    key = hashlib.sha256("\0".join([*key_parts, " ".join(FLAGS), _cpu_flags(),
+    key = hashlib.sha256("\0".join([*key_parts, " ".join(FLAGS), cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{stem}-{key}.so"
     if target.exists():

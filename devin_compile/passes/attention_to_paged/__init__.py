@@ -113,8 +113,8 @@ def _sites_by_layer(gm: torch.fx.GraphModule, info: ModelInfo) -> list[tuple[str
     missing = [m for m in expected if m not in by_module]
     if missing or len(by_module) != info.num_layers:
         raise PassError(
-            f"attention_to_paged rewrote {len(by_module)} of {info.num_layers} attention layers; "
-            f"no SDPA or softmax(QKᵀ·scale+mask)·V pattern matched in: {missing or sorted(set(by_module) - set(expected))}"
+            f"attention_to_paged rewrote {len(by_module)} of {info.num_layers} attention layers; no SDPA or "
+            f"softmax(QKᵀ·scale+mask)·V pattern matched in: {missing or sorted(set(by_module) - set(expected))}"
         )
     return [(path, by_module[path]) for path in expected]
 
