@@ -74,7 +74,7 @@ class SharedWeights:
 
     The prefill and decode graphs share their weight tensors (``split_phases``), so a pass that
     replaces a weight by a packed copy makes the copy once and both graphs read it:
-    ``ctx.shared_weights.get("onednn_linear", (w,), lambda: prepack_weight(w))``. A copy is keyed
+    ``ctx.shared_weights.get(self.name, (w,), lambda: prepack_weight(w))``. A copy is keyed
     by the pass's ``kind`` and the identity of its source tensors, which the graphs keep alive
     while the pass runs."""
 
