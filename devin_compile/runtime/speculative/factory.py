@@ -15,8 +15,10 @@ from typing import Any, Callable
 
 import torch
 
-from .config import SpeculativeConfig
-from .runtime.speculative import DraftModelProposer, NgramProposer, Proposer
+from ...config import SpeculativeConfig
+from .draft_model import DraftModelProposer
+from .ngram import NgramProposer
+from .proposer import Proposer
 
 
 def layer_view(model: torch.nn.Module, keep: list[int]) -> torch.nn.Module:
