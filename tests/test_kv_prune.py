@@ -1,4 +1,4 @@
-"""KV-cache pruning (issue 5): identity at threshold 0, positions, protected windows, pages, leaks.
+"""KV-cache pruning: identity at threshold 0, positions, protected windows, pages, leaks.
 
 The oracle for positions is a *masking reference*: the same model, unpruned, whose attention
 (a test backend) masks exactly the tokens the pruned run had evicted in each layer at each

@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 21): lossless greedy output for every proposer, KV rollback without
+"""Speculative decoding: lossless greedy output for every proposer, KV rollback without
 leaks, rejection sampling that keeps the target's distribution, adaptive length, recompute on
 non-finite logits, hot swap, and clear errors for bad settings."""
 from __future__ import annotations

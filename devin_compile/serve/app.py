@@ -84,8 +84,8 @@ class Server:
             "max_model_len": self.opt.engine.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
-        if self.engine._error is not None:
-            return JSONResponse({"status": "error", "error": str(self.engine._error)}, status_code=503)
+        if self.engine.error is not None:
+            return JSONResponse({"status": "error", "error": str(self.engine.error)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
