@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import copy
 import time
-import weakref
 from typing import Any
 
 import torch
 
 from .backends.attention.registry import get_backend
 from .capture import ModelInfo, capture, model_info
-from .config import OptimizeConfig, SpeculativeConfig
+from .config import OptimizeConfig
 from .passes import default_passes
 from .passes.offload_embeddings import check_offload_layers
 from .pipeline import PassContext, PassManager, Probe, Program
@@ -18,7 +17,7 @@ from .optimized_model import OptimizedModel
 from .runtime.build import ModelIdentity, build_engine
 from .runtime.kv_prune import active_config as active_kv_prune
 from .runtime.scratch import scratch_step, scratch_steps
-from .runtime.speculative.factory import build_proposer
+from .runtime.speculative.factory import DraftBuilder
 
 
 def make_probe(info: ModelInfo, device: torch.device, length: int = 12) -> Probe:
@@ -59,7 +58,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     probe = make_probe(info, info.device) if config.verify else None
     report = PassManager(default_passes(config, info, offload_roles, quant), dump_dir=config.dump_dir,
                          probe=probe).run(program, ctx)
-    drafts = DraftBuilder(model, tokenizer, info)
+    drafts = DraftBuilder(model, tokenizer, vocab_size=info.vocab_size, dtype=info.dtype, compile=optimize)
     proposer = drafts(config.speculative) if config.speculative is not None else None
     identity = (ModelIdentity.of(model, None if quant is None else [quant[0].fingerprint, repr(quant[1])])
                 if config.kv_cache_tiers else None)
@@ -69,28 +68,6 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
                           quant_result=quant[0] if quant is not None else None,
                           precision_table=ctx.extras.get("precision_table", []),
                           quant_note=next((r.note for r in report.records if r.name == "assign_precision"), ""))
-
-
-class DraftBuilder:
-    """SpeculativeConfig → proposer for this target, at ``optimize()`` and for
-    ``OptimizedModel.set_draft``. It holds the target model only weakly: the ``head`` and
-    ``self-int4`` methods need it alive (or passed again as ``target=``); ``ngram`` and ``draft``
-    do not."""
-
-    def __init__(self, model: torch.nn.Module, tokenizer, info: ModelInfo) -> None:
-        self._target = weakref.ref(model)
-        self.tokenizer = tokenizer
-        self.vocab_size = info.vocab_size
-        self.dtype = info.dtype
-
-    def __call__(self, spec: SpeculativeConfig, target: torch.nn.Module | None = None):
-        model = target if target is not None else self._target()
-        needs_target = spec.method == "head" or (spec.method == "draft" and isinstance(spec.model, str))
-        if needs_target and model is None:
-            raise ValueError(f"speculative method {spec.method!r} builds its draft from the target model, which "
-                             "is no longer alive; pass it again: set_draft(..., target=model)")
-        return build_proposer(spec, model, self.tokenizer, compile=optimize, target_vocab=self.vocab_size,
-                              target_dtype=self.dtype)
 
 
 def _resolve_quantization(model: torch.nn.Module, tokenizer, config: OptimizeConfig):
