@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 from ..config import SchedulerConfig
 from .kv_manager import KVManager
