@@ -120,7 +120,7 @@ def run_batch(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
 def filler(engine: Engine, vocab: int, seed: int) -> None:
     """Other traffic: one request of random tokens as long as the pool, evicting every cached block."""
     rng = random.Random(seed)
-    n = engine.allocator.num_blocks * engine.runner.block_size - 1
+    n = engine.kv.allocator.num_blocks * engine.runner.block_size - 1
     run_batch(engine, [([rng.randrange(1000, vocab - 1000) for _ in range(n)], 1)])
 
 

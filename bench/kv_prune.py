@@ -91,7 +91,7 @@ def run_one(engine, ids, params, forced=None, observe=None):
         return out
 
     params.logits_processors = [proc]
-    engine.allocator.peak_used = engine.allocator.num_used
+    engine.kv.allocator.peak_used = engine.kv.allocator.num_used
     m0 = (engine.metrics.decode_time, engine.metrics.decode_tokens)
     rid = engine.add_request(ids, params)
     rid_box["rid"] = rid
@@ -102,7 +102,7 @@ def run_one(engine, ids, params, forced=None, observe=None):
         raise RuntimeError(seq.error)
     dt = engine.metrics.decode_time - m0[0]
     dn = engine.metrics.decode_tokens - m0[1]
-    return seq.output_ids, nll, live, seq.metrics, dt, dn, engine.allocator.peak_used
+    return seq.output_ids, nll, live, seq.metrics, dt, dn, engine.kv.allocator.peak_used
 
 
 def copy_task(tok, text, n, seed):

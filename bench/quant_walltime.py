@@ -1,5 +1,5 @@
 """Wall time of calibration plus INT4 quantization on SmolLM2, the path `quantize calibrate` then
-`quantize run` takes (issue bar: calibration + GPTQ ≤ 120 s on a 2-core CPU).
+`quantize run` takes (the target: calibration + GPTQ ≤ 120 s on a 2-core CPU).
 
     python bench/quant_walltime.py [--chunks 16] [--methods gptq] [--repeats 3] [--no-output-gradients]
                                    [--out bench/results/quant-walltime.json]

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
 from devin_compile import SamplingParams  # noqa: E402
-from devin_compile.runtime import py_arena_cache  # noqa: E402
+from devin_compile.runtime import arena_reuse  # noqa: E402
 from devin_compile.config import parse_dtype  # noqa: E402
 from devin_compile.models import load_model  # noqa: E402
 
@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="profile a second devin run and report where step time goes")
     args = ap.parse_args()
-    py_arena_cache.install()  # before any peer runs: HF and devin-compile on the same interpreter
+    arena_reuse.install()  # before any peer runs: HF and devin-compile on the same interpreter
 
     dtype = parse_dtype(args.dtype)
     model, tok = load_model(None, dtype)

@@ -1,28 +1,23 @@
-"""optimize(): capture → PassManager → runtime.Engine → OptimizedModel."""
+"""optimize(): capture → PassManager → runtime.build_engine → OptimizedModel (assembly only)."""
 from __future__ import annotations
 
 import copy
-import json
 import time
 from typing import Any
 
 import torch
 
-from .backends.attention.registry import get_backend, select_attention_backend
+from .backends.attention.registry import get_backend
 from .capture import ModelInfo, capture, model_info
-from .config import OptimizeConfig, SpeculativeConfig
+from .config import OptimizeConfig
 from .passes import default_passes
 from .passes.offload_embeddings import check_offload_layers
 from .pipeline import PassContext, PassManager, Probe, Program
 from .optimized_model import OptimizedModel
-from .runtime.engine import Engine
-from .runtime.kv_cache import KVCacheSpec, PagedKVCache, blocks_for_budget
+from .runtime.build import ModelIdentity, build_engine
 from .runtime.kv_prune import active_config as active_kv_prune
-from .runtime.kv_tiers import KVTiers
-from .runtime.model_runner import ModelRunner
 from .runtime.scratch import scratch_step, scratch_steps
-from .runtime.speculative import SpeculativeDecoder
-from .speculation import build_proposer
+from .runtime.speculative.factory import DraftBuilder
 
 
 def make_probe(info: ModelInfo, device: torch.device, length: int = 12) -> Probe:
@@ -63,53 +58,15 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     probe = make_probe(info, info.device) if config.verify else None
     report = PassManager(default_passes(config, offload_roles, quant), dump_dir=config.dump_dir,
                          probe=probe).run(program, ctx)
-    spec = KVCacheSpec(info.num_layers, dtype=info.dtype, block_size=config.cache.block_size, **info.kv_cache_layout)
-    nblocks = blocks_for_budget(spec, info.device, num_blocks=config.cache.num_blocks,
-                                memory_bytes=config.cache.memory_bytes, memory_fraction=config.cache.memory_fraction)
-    cache = PagedKVCache(spec, nblocks, info.device)
-    backend = select_attention_backend(info.device, config.attention_backend)
-    if config.warmup and hasattr(backend, "warm_up"):
-        backend.warm_up(dtype=info.dtype, num_kv_heads=info.num_kv_heads, num_heads=info.num_heads,
-                        head_dim=info.head_dim)
-    runner = ModelRunner(program, cache, vocab_size=info.vocab_size, backend=backend, device=info.device)
-    proposers = _proposer_factory(model, tokenizer, info)
-    spec = (SpeculativeDecoder(config.speculative, proposers(config.speculative))
-            if config.speculative is not None else None)
-    engine = Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
-                    tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,
-                    kv_prune=config.kv_prune, kv_tiers=_kv_tiers(config, model, quant, cache), speculative=spec)
-    opt = OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
-                         hf_config=getattr(model, "config", None))
-    opt.proposer_factory = proposers
-    opt.quant_result = quant[0] if quant is not None else None
-    opt.precision_table = ctx.outputs.precision_table
-    opt.quant_note = ctx.outputs.precision_note
-    return opt
-
-
-def _proposer_factory(model: torch.nn.Module, tokenizer, info: ModelInfo):
-    """config → proposer for this target (used at optimize() and by ``OptimizedModel.set_draft``)."""
-    def build(spec: SpeculativeConfig):
-        return build_proposer(spec, model, tokenizer, compile=optimize, target_vocab=info.vocab_size,
-                              target_dtype=info.dtype)
-
-    return build
-
-
-def _kv_tiers(config: OptimizeConfig, model: torch.nn.Module, quant, pool: PagedKVCache) -> KVTiers | None:
-    """The KV tiers under ``pool``, keyed by what the K/V depend on: the weights (a sampled digest),
-    the model config, the quantization, and (in :meth:`KVTiers.for_model`) dtype, layout, block size."""
-    if not config.kv_cache_tiers:
-        return None
-    from .cache import sampled_state_dict_digest
-
-    hf = getattr(model, "config", None)
-    facts = {k: v for k, v in (hf.to_dict() if hf is not None else {}).items()
-             if not k.startswith("_") and k != "transformers_version"}
-    quantization = None if quant is None else json.dumps([quant[0].fingerprint, repr(quant[1])], sort_keys=True,
-                                                         default=str)
-    return KVTiers.for_model(config.kv_cache_tiers, pool, weights_digest=sampled_state_dict_digest(model.state_dict()),
-                             quantization=quantization, model_config=json.dumps(facts, sort_keys=True, default=str))
+    drafts = DraftBuilder(model, tokenizer, vocab_size=info.vocab_size, dtype=info.dtype, compile=optimize)
+    proposer = drafts(config.speculative) if config.speculative is not None else None
+    identity = (ModelIdentity.of(model, None if quant is None else [quant[0].fingerprint, repr(quant[1])])
+                if config.kv_cache_tiers else None)
+    engine = build_engine(program, info, config, tokenizer=tokenizer, proposer=proposer, identity=identity)
+    return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
+                          hf_config=getattr(model, "config", None), drafts=drafts,
+                          quant_result=quant[0] if quant is not None else None,
+                          precision_table=ctx.outputs.precision_table, quant_note=ctx.outputs.precision_note)
 
 
 def _resolve_quantization(model: torch.nn.Module, tokenizer, config: OptimizeConfig):

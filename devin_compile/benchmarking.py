@@ -3,7 +3,7 @@
 Decode tokens/s counts tokens after the first one, over the time after the first
 token appeared, so prefill cost is reported separately as time to first token (TTFT).
 Every figure is a median over ``repeats`` runs, after one excluded full-length warm-up run.
-Both timers run with the arena cache of :mod:`~devin_compile.runtime.py_arena_cache` in place
+Both timers run with the arena reuse pool of :mod:`~devin_compile.runtime.arena_reuse` in place
 (the engine installs it), so HF and devin-compile see the same interpreter.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .runtime import py_arena_cache
+from .runtime import arena_reuse
 
 
 @dataclass
@@ -43,7 +43,7 @@ def hf_peer_dtype(model) -> tuple[torch.dtype, str]:
 def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int = 3,
                    name: str = "HF eager") -> DecodeTiming:
     """HF eager ``generate`` (greedy, exactly ``new_tokens``, EOS ignored), batch 1."""
-    py_arena_cache.install()
+    arena_reuse.install()
     ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
     # EOS ignored the way devin-compile's ignore_eos does it: eos_token_id=None makes EOS an
     # ordinary token (min_new_tokens alone would forbid it and so change the greedy picks).

@@ -18,8 +18,8 @@ from .config import OptimizeConfig
 from .pipeline import PassReport, Program
 from .runtime.engine import Engine
 from .runtime.sampling import SamplingParams
-from .serve.detokenizer import TextStream
-from .serve.templates import chat_prompt_ids
+from .text.detokenizer import TextStream
+from .text.chat_template import chat_prompt_ids
 
 if TYPE_CHECKING:
     from .runtime.async_engine import AsyncEngine
@@ -29,7 +29,8 @@ class OptimizedModel:
     """What ``optimize()`` returns: HF-like ``generate``/``__call__`` over the compiled engine."""
 
     def __init__(self, engine: Engine, info: ModelInfo, config: OptimizeConfig, report: PassReport,
-                 tokenizer=None, compile_seconds: float = 0.0, hf_config=None) -> None:
+                 tokenizer=None, compile_seconds: float = 0.0, hf_config=None, *, drafts=None,
+                 quant_result=None, precision_table: Seq[dict] = (), quant_note: str = "") -> None:
         self.engine = engine
         self.info = info
         self.optimize_config = config
@@ -37,10 +38,10 @@ class OptimizedModel:
         self.tokenizer = tokenizer
         self.compile_seconds = compile_seconds
         self.config = hf_config
-        self.quant_result = None  # the QuantResult compiled in (INT4 models)
-        self.precision_table: list[dict] = []  # assign_precision's per-layer rows (INT4 models)
-        self.quant_note = ""
-        self.proposer_factory = None  # SpeculativeConfig → proposer for this target (set by optimize())
+        self.quant_result = quant_result  # the QuantResult compiled in (INT4 models)
+        self.precision_table: list[dict] = list(precision_table)  # assign_precision's per-layer rows
+        self.quant_note = quant_note
+        self._drafts = drafts  # (SpeculativeConfig, target) → proposer for this target; None: no set_draft
 
     @property
     def program(self) -> Program:
@@ -62,15 +63,19 @@ class OptimizedModel:
         if wait is not None:
             wait()
 
-    def set_draft(self, speculative: Any) -> None:
+    def set_draft(self, speculative: Any, target: torch.nn.Module | None = None) -> None:
         """Hot swap speculative decoding: ``{"method": "draft", "model": other}`` (any form
         ``optimize(speculative=...)`` takes; None/False: off). Requests admitted from now on use it;
         requests in flight finish on the proposer they started with. The new draft is compiled
-        before anything changes, so a bad one (``ValueError``) leaves the old one in place."""
+        before anything changes, so a bad one (``ValueError``) leaves the old one in place.
+        ``target``: the model this was optimized from, for the ``head`` and ``self-int4`` methods
+        when the caller no longer holds the original object (the optimized model does not keep it)."""
         from .config import SpeculativeConfig
 
         config = SpeculativeConfig.coerce(speculative, "set_draft")
-        proposer = self.proposer_factory(config) if config is not None else None
+        if config is not None and self._drafts is None:
+            raise ValueError("set_draft needs an OptimizedModel built by optimize()")
+        proposer = self._drafts(config, target) if config is not None else None
         self.engine.set_proposer(proposer, config)
 
     def report(self) -> str:

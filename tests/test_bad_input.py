@@ -51,11 +51,11 @@ def opt(model):
 def engine(opt):
     """The module's engine, checked to be idle and leak-free around each test."""
     e = opt.engine
-    assert not e.has_unfinished() and e.allocator.num_used == 0
+    assert not e.has_unfinished() and e.kv.allocator.num_used == 0
     yield e
     for rid, seq in list(e.requests.items()):
         e.abort(rid)
-    assert e.allocator.num_used == 0
+    assert e.kv.allocator.num_used == 0
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -187,14 +187,14 @@ def test_generate_with_one_bad_prompt_raises_and_leaves_nothing_queued(opt):
     with pytest.raises(ValueError, match=r"prompt 1: .*context"):
         opt.generate([prompt_of(4, 5), prompt_of(MAX_LEN + 3, 6), prompt_of(4, 7)], max_new_tokens=2)
     assert not opt.engine.has_unfinished()
-    assert opt.engine.allocator.num_used == 0
+    assert opt.engine.kv.allocator.num_used == 0
 
 
 def test_engine_generate_with_one_bad_prompt_leaves_nothing_queued(engine):
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([prompt_of(4, 5), [], prompt_of(4, 7)], SamplingParams(max_new_tokens=2))
     assert not engine.has_unfinished()
-    assert engine.allocator.num_used == 0
+    assert engine.kv.allocator.num_used == 0
     assert engine.step() == []
 
 
@@ -272,7 +272,7 @@ def test_paged_graph_outside_a_step_context(opt):
 def test_request_that_can_never_fit_fails_while_others_complete(engine, model):
     # Half the pool is held outside the scheduler (as OptimizedModel.__call__ does while it
     # runs a full-sequence forward), so 3 blocks = 12 slots remain for the engine.
-    held = engine.allocator.allocate(NUM_BLOCKS // 2)
+    held = engine.kv.allocator.allocate(NUM_BLOCKS // 2)
     try:
         small = prompt_of(3, 8)
         big = prompt_of(8, 9)  # 8 + 10 tokens fit the nominal pool (24) but never the 12 slots left
@@ -283,7 +283,7 @@ def test_request_that_can_never_fit_fails_while_others_complete(engine, model):
             if not engine.has_unfinished():
                 break
             engine.step()
-            assert engine.allocator.num_used <= NUM_BLOCKS
+            assert engine.kv.allocator.num_used <= NUM_BLOCKS
         big_seq = engine.requests[r_big]
         assert big_seq.status is Status.FAILED and big_seq.finish_reason == "error"
         assert "KV cache exhausted" in big_seq.error and "num_kv_blocks" in big_seq.error
@@ -293,22 +293,22 @@ def test_request_that_can_never_fit_fails_while_others_complete(engine, model):
         assert engine.requests[r_after].output_ids == hf_greedy(model, small[::-1], 3)
         with pytest.raises(RequestError, match="KV cache exhausted"):
             list(engine.stream(r_big))
-        assert engine.allocator.num_used == len(held)
+        assert engine.kv.allocator.num_used == len(held)
     finally:
-        engine.allocator.free(held)
+        engine.kv.allocator.free(held)
 
 
 def test_generate_reports_the_failed_request_with_the_others_results(opt, model):
-    held = opt.engine.allocator.allocate(NUM_BLOCKS // 2)
+    held = opt.engine.kv.allocator.allocate(NUM_BLOCKS // 2)
     try:
         with pytest.raises(RequestError, match="KV cache exhausted") as ei:
             opt.generate([prompt_of(3, 10), prompt_of(8, 11)], max_new_tokens=[4, 10], ignore_eos=True)
     finally:
-        opt.engine.allocator.free(held)
+        opt.engine.kv.allocator.free(held)
     ok, bad = ei.value.results
     assert ok.error is None and ok.output_ids == hf_greedy(model, prompt_of(3, 10), 4)
     assert bad.error and "KV cache exhausted" in bad.error
-    assert opt.engine.allocator.num_used == 0
+    assert opt.engine.kv.allocator.num_used == 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def test_generate_reports_the_failed_request_with_the_others_results(opt, model)
 def test_call_with_an_empty_sequence(opt, input_ids):
     with pytest.raises(ValueError, match=r"empty sequence has no positions.*at least one token"):
         opt(input_ids)
-    assert opt.engine.allocator.num_used == 0
+    assert opt.engine.kv.allocator.num_used == 0
 
 
 def test_call_with_an_empty_batch(opt):
@@ -332,7 +332,7 @@ def test_call_with_a_fully_masked_row(opt):
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with pytest.raises(ValueError, match=r"row 1 of input_ids has no tokens under attention_mask"):
         opt(ids, attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]))
-    assert opt.engine.allocator.num_used == 0
+    assert opt.engine.kv.allocator.num_used == 0
 
 
 def test_generate_on_an_empty_batch_raises_like_hf(opt):
@@ -349,7 +349,7 @@ def test_generate_with_an_empty_prompt_in_the_batch(opt, prompts, index):
         opt.generate(prompts, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"prompt 0: empty prompt"):
         opt.generate(input_ids=torch.zeros(1, 0, dtype=torch.long))
-    assert not opt.engine.has_unfinished() and opt.engine.allocator.num_used == 0
+    assert not opt.engine.has_unfinished() and opt.engine.kv.allocator.num_used == 0
 
 
 def test_engine_forward_logits_checks_and_returns_its_blocks(engine, model):
@@ -358,9 +358,9 @@ def test_engine_forward_logits_checks_and_returns_its_blocks(engine, model):
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(got.float().cpu(), want, atol=1e-4, rtol=1e-4)
-    assert engine.allocator.num_used == 0
+    assert engine.kv.allocator.num_used == 0
     with pytest.raises(ValueError, match="empty prompt"):
         engine.forward_logits([])
     with pytest.raises(ValueError, match=r"prompt token ids must be integers"):
         engine.forward_logits([5, VOCAB])
-    assert engine.allocator.num_used == 0
+    assert engine.kv.allocator.num_used == 0

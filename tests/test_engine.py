@@ -108,8 +108,8 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 def assert_pool_empty(engine: Engine) -> None:
     assert engine.kv_stats()["blocks_used"] == 0
-    assert engine.allocator.num_free == engine.allocator.num_blocks
-    assert all(c == 0 for c in engine.allocator.ref_count)
+    assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
+    assert all(c == 0 for c in engine.kv.allocator.ref_count)
     assert not engine.has_unfinished()
 
 
@@ -199,9 +199,9 @@ def test_abort_neighbour_midway(opt, hf):
     victim = engine.requests[ids[1]]
     held = len(victim.block_table)
     assert held > 0
-    free_before = engine.allocator.num_free
+    free_before = engine.kv.allocator.num_free
     engine.abort(ids[1])
-    assert engine.allocator.num_free == free_before + held  # blocks back at once
+    assert engine.kv.allocator.num_free == free_before + held  # blocks back at once
     assert victim.block_table == [] and victim.status is Status.ABORTED and victim.finish_reason == "abort"
     engine.abort(ids[1])  # aborting twice is a no-op
     engine.abort("no-such-request")
@@ -306,7 +306,7 @@ def test_raising_logits_processor_fails_only_its_request(opt, hf):
 
 
 def _check_pool(engine: Engine) -> None:
-    alloc = engine.allocator
+    alloc = engine.kv.allocator
     live = [s for s in engine.requests.values() if not s.status.done]
     held = Counter(b for s in live for b in s.block_table)  # prefix sharing may give a block several owners
     assert alloc.num_free + len(held) == alloc.num_blocks, "block leak"

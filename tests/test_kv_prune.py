@@ -1,4 +1,4 @@
-"""KV-cache pruning (issue 5): identity at threshold 0, positions, protected windows, pages, leaks.
+"""KV-cache pruning: identity at threshold 0, positions, protected windows, pages, leaks.
 
 The oracle for positions is a *masking reference*: the same model, unpruned, whose attention
 (a test backend) masks exactly the tokens the pruned run had evicted in each layer at each
@@ -212,10 +212,10 @@ def test_pool_free_count_rises_by_freed_pages(pruned):
     original = pruner.compact
 
     def spy(seq, evict):
-        free0, freed0, copies0 = eng.allocator.num_free, seq.metrics.kv_freed_blocks, pruner.totals.copied_blocks
+        free0, freed0, copies0 = eng.kv.allocator.num_free, seq.metrics.kv_freed_blocks, pruner.totals.copied_blocks
         blocks0 = len(seq.block_table)
         ok = original(seq, evict)
-        deltas.append((eng.allocator.num_free - free0, seq.metrics.kv_freed_blocks - freed0,
+        deltas.append((eng.kv.allocator.num_free - free0, seq.metrics.kv_freed_blocks - freed0,
                        pruner.totals.copied_blocks - copies0))
         assert blocks0 - len(seq.block_table) == deltas[-1][1]  # no sharing here: every dropped block is freed
         return ok
@@ -225,7 +225,7 @@ def test_pool_free_count_rises_by_freed_pages(pruned):
     assert deltas and deltas[0][1] > 0  # the first evaluation frees most of the prompt's pages
     for rose, freed, copies in deltas:
         assert rose == freed - copies
-    assert eng.allocator.num_free == eng.allocator.num_blocks
+    assert eng.kv.allocator.num_free == eng.kv.allocator.num_blocks
 
 
 def test_peak_and_live_tokens_under_cap(pruned):
@@ -256,7 +256,7 @@ def test_shared_prefix_blocks_are_copied_not_edited(pruned):
     # the cache still serves the shared prefix correctly to a later, unpruned request
     again = eng.generate([b], SamplingParams(max_new_tokens=16, kv_prune=False))
     assert again[0].output_ids == want[0].output_ids
-    assert eng.allocator.num_free == eng.allocator.num_blocks
+    assert eng.kv.allocator.num_free == eng.kv.allocator.num_blocks
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -280,7 +280,7 @@ def test_no_block_leaks_random_workloads(pruned, seed, num_blocks, n_req, policy
               for _ in prompts]
     outs = eng.generate(prompts, params)
     assert all(o.finished for o in outs)
-    a = eng.allocator
+    a = eng.kv.allocator
     assert a.num_free == a.num_blocks and all(r == 0 for r in a.ref_count)
     probe = prompts[0]
     want = engine_over(pruned, prefix=False).generate([probe], SamplingParams(max_new_tokens=4, kv_prune=False))

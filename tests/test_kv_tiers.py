@@ -110,13 +110,13 @@ def make_engine(opt, tiers=None, num_blocks: int = POOL) -> Engine:
 def value_bytes(opt) -> int:
     """Bytes one tiny-Llama block takes in a host tier (key + encoded value)."""
     e = make_engine(opt, [{"backend": "host_lru", "max_bytes": 1 << 20}])
-    return len(e.kv_tiers.key(1)) + len(e.kv_tiers.codec.encode(e.runner.kv_cache.data[:, :, 0]))
+    return len(e.kv.tiers.key(1)) + len(e.kv.tiers.codec.encode(e.runner.kv_cache.data[:, :, 0]))
 
 
 def assert_same_kv(engine: Engine, ref: Engine, tokens: list[int]) -> None:
     """The K/V every full block of ``tokens`` has in ``engine``'s pool equal those ``ref`` computed."""
     for h in chain_hashes(tokens, BS):
-        a, b = engine.prefix_cache.get(h), ref.prefix_cache.get(h)
+        a, b = engine.kv.prefix_cache.get(h), ref.kv.prefix_cache.get(h)
         assert a is not None and b is not None
         torch.testing.assert_close(engine.runner.kv_cache.data[:, :, a.block], ref.runner.kv_cache.data[:, :, b.block],
                                    atol=1e-5, rtol=1e-5)
@@ -214,12 +214,12 @@ def test_tampered_value_in_redis_is_rejected_and_recomputed(opt, redis_server, t
     run_one(engine, A)
     run_one(engine, B)
     admin = redis_server.admin()
-    key = b"devin:" + engine.kv_tiers.key(chain_hashes(PRE, BS)[block]).encode()
+    key = b"devin:" + engine.kv.tiers.key(chain_hashes(PRE, BS)[block]).encode()
     value = admin.get(key)
     assert value is not None
-    good = engine.kv_tiers.codec.decode(value)
+    good = engine.kv.tiers.codec.decode(value)
     bad = {"truncated": value[:-7],
-           "shape": encode_tensor(good[:, :, :2].contiguous(), engine.kv_tiers.fingerprint),
+           "shape": encode_tensor(good[:, :, :2].contiguous(), engine.kv.tiers.fingerprint),
            "fingerprint": encode_tensor(good, "another-model")}[tamper]
     admin.set(key, bad)
     seq = run_one(engine, C)
@@ -352,7 +352,7 @@ class PrefixHashRunner:
             slots = [table[p // bs] * bs + p % bs for p in range(start + n)]
             assert k[slots[:start]].tolist() == want[:start] and v[slots[:start]].tolist() == ids[:start], seq.request_id
             for p in range(start, start + n):
-                self.engine.allocator.check_writable(table[p // bs])
+                self.engine.kv.allocator.check_writable(table[p // bs])
                 k[slots[p]], v[slots[p]] = want[p], ids[p]
             if start + n == seq.num_tokens:
                 rows.append(want[start + n - 1] % self.vocab_size)
@@ -371,13 +371,13 @@ def oracle(prompt: list[int], n: int) -> list[int]:
 
 
 def check(engine: Engine) -> None:
-    alloc = engine.allocator
+    alloc = engine.kv.allocator
     live = [s for s in engine.requests.values() if not s.status.done]
     owners = Counter(b for s in live for b in s.block_table)
     assert all(alloc.ref_count[b] == owners.get(b, 0) for b in range(alloc.num_blocks)), "ref counts ≠ owners"
     assert set(alloc._free) == {b for b in range(alloc.num_blocks) if alloc.ref_count[b] == 0}, "block leak"
     assert alloc.num_free + alloc.num_used == alloc.num_blocks
-    for tier in engine.kv_tiers.tiers:
+    for tier in engine.kv.tiers.tiers:
         assert tier.stats().bytes <= tier.max_bytes, "a tier outgrew its bound"
 
 
@@ -448,7 +448,7 @@ def test_stub_traffic_loads_from_both_tiers_and_pruning_sequences_never_publish(
     engine.requests[rid].kv_prune_config = KVPruneConfig()
     while engine.has_unfinished():
         engine.step()
-    assert len(engine.prefix_cache) > 0
+    assert len(engine.kv.prefix_cache) > 0
     run_one(engine, list(range(15)), 1)  # evicts them
     stats = engine.kv_stats()
     assert stats["kv_tier_skipped_pruned"] > 0 and stats["kv_tier_published_blocks"] == 0

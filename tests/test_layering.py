@@ -16,13 +16,13 @@ PKG = Path(__file__).resolve().parents[1] / "devin_compile"
 
 # Bottom up. A module's floor is the first entry whose prefix matches its dotted name.
 FLOORS: list[tuple[str, ...]] = [
-    ("step", "graph_utils", "compile_lock", "validation"),
+    ("step", "graph_utils", "compile_lock", "validation", "text"),
     ("backends",),
     ("ops",),
     ("config", "capture", "pipeline", "quant", "cache"),
     ("passes",),
     ("runtime",),
-    ("api", "optimized_model", "speculation", "compile_backend", "offload", "benchmarking", "models", "serve", ""),
+    ("api", "optimized_model", "compile_backend", "offload", "benchmarking", "models", "serve", ""),
     ("cli",),
 ]
 
@@ -106,6 +106,15 @@ def test_passes_never_import_runtime_or_backends(graph):
 def test_runtime_never_imports_a_pass(graph):
     bad = [f"{a} -> {b}" for a, b in graph.edges
            if a.startswith("devin_compile.runtime") and b.startswith("devin_compile.passes")]
+    assert not bad, bad
+
+
+def test_library_never_imports_its_server(graph):
+    """The runtime and the OptimizedModel facade work without the HTTP stack: the text layer they
+    share with the server lives below both (``devin_compile.text``)."""
+    bad = [f"{a} -> {b}" for a, b in graph.edges
+           if a.startswith(("devin_compile.runtime", "devin_compile.optimized_model", "devin_compile.text"))
+           and b.startswith("devin_compile.serve")]
     assert not bad, bad
 
 

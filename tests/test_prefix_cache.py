@@ -193,7 +193,7 @@ def spy_slots(engine: Engine) -> list[list[int]]:
 
     def wrapped(ids, pos, slots, *rest):
         for s in slots:
-            engine.allocator.check_writable(s // bs)
+            engine.kv.allocator.check_writable(s // bs)
         seen.append(list(slots))
         return run(ids, pos, slots, *rest)
 
@@ -282,7 +282,7 @@ def test_evicted_blocks_are_never_hit(opt, model):
     engine.add_request(other, greedy(4))
     while engine.has_unfinished():
         engine.step()
-    assert engine.prefix_cache.stats.evictions >= 3
+    assert engine.kv.prefix_cache.stats.evictions >= 3
     rb = engine.add_request(a, greedy(3))
     while engine.has_unfinished():
         engine.step()
@@ -315,7 +315,7 @@ def test_hash_collisions_never_share(opt, model, monkeypatch, kind):
     for p, r in zip(prompts, rids):
         assert engine.requests[r].output_ids == hf(model, p, 5)
     hits = [engine.requests[r].metrics.prefix_hit_tokens for r in rids]
-    assert engine.prefix_cache.stats.rejected > 0
+    assert engine.kv.prefix_cache.stats.rejected > 0
     if kind == "constant":
         assert hits == [0, 0, 4, 0, 4]  # only the first registered block (x) can ever be found
     else:
@@ -354,7 +354,7 @@ class PrefixRunner:
 
     def execute(self, batch, kv_prune=None):
         bs = self.block_size
-        alloc = self.engine.allocator
+        alloc = self.engine.kv.allocator
         rows, owners = [], []
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
@@ -392,7 +392,7 @@ def oracle(prompt: list[int], n: int) -> list[int]:
 
 
 def check_pool(engine: Engine) -> None:
-    alloc, cache, sched = engine.allocator, engine.prefix_cache, engine.scheduler
+    alloc, cache, sched = engine.kv.allocator, engine.kv.prefix_cache, engine.scheduler
     runner: PrefixRunner = engine.runner
     bs = runner.block_size
     live = [s for s in engine.requests.values() if not s.status.done]
@@ -419,12 +419,12 @@ def check_pool(engine: Engine) -> None:
             assert len(content) == bs
     for s in live:
         assert len(s.block_table) * bs >= s.num_computed
-        chain = sched._chains[s.request_id]
+        chain = engine.kv._chains[s.request_id]
         for j, eid in enumerate(chain.entries):
             assert cache.entry_of(s.block_table[j]).id == eid
     for s in engine.requests.values():
         if s.status.done:
-            assert s.block_table == [] and s.request_id not in sched._chains
+            assert s.block_table == [] and s.request_id not in engine.kv._chains
 
 
 _PREAMBLES = [[random.Random(7000 + i).randrange(PrefixRunner.vocab_size) for _ in range(12)] for i in range(3)]

@@ -49,7 +49,7 @@ def refs():
     r.replay = r.run("Tell me 日", 30)
     r.sampled = [r.run("Le café 日本", 40, temperature=1.0, seed=11 + i) for i in range(3)]
     r.load = [r.run(p, 8 + i % 12) for i, p in enumerate(LOAD_PROMPTS)]
-    assert opt.engine.allocator.num_used == 0
+    assert opt.engine.kv.allocator.num_used == 0
     return r
 
 

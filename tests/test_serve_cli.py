@@ -88,7 +88,7 @@ def test_chat_keeps_history_and_streams(folder, monkeypatch, capsys):
                        {"role": "user", "content": "And more?"}], 12)
     after_reset = opt.chat([{"role": "user", "content": "Hi"}], 12)
     assert replies == [first, second, after_reset] and "(history cleared)" in out
-    assert opt.engine.allocator.num_used == 0
+    assert opt.engine.kv.allocator.num_used == 0
 
 
 def test_serve_flags_speculative_and_trace_steps(monkeypatch):

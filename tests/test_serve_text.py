@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from devin_compile.serve.detokenizer import IncrementalDetokenizer, StopStrings, TextStream
+from devin_compile.text.detokenizer import IncrementalDetokenizer, StopStrings, TextStream
 from devin_compile.serve.protocol import APIError, parse_request
-from devin_compile.serve.templates import chat_prompt_ids
+from devin_compile.text.chat_template import chat_prompt_ids
 from serve_model import smollm2_tokenizer, tiny_chat_opt
 
 TEXT = "Héllo wörld: 日本語のテキスト 🙂🙂 ça va? naïve — ∑x² ½ end"
@@ -158,7 +158,7 @@ def test_stream_text_equals_generate(opt):
         text = opt.generate(prompt, max_new_tokens=24)
         parts = list(opt.stream_text(prompt, max_new_tokens=24))
         assert "".join(parts) == text and len(parts) > 1
-    assert opt.engine.allocator.num_used == 0
+    assert opt.engine.kv.allocator.num_used == 0
 
 
 def test_stream_text_sampled_is_seeded_and_stops(opt):
@@ -172,7 +172,7 @@ def test_stream_text_sampled_is_seeded_and_stops(opt):
     stop = a[len(a) // 3: len(a) // 3 + 4]
     cut = "".join(opt.stream_text("Hi", 32, stop=[stop], do_sample=True, temperature=1.0, seed=7))
     assert cut == a[:a.index(stop)]
-    assert opt.engine.allocator.num_used == 0  # the stopped request was aborted, its blocks freed
+    assert opt.engine.kv.allocator.num_used == 0  # the stopped request was aborted, its blocks freed
 
 
 def test_chat_applies_the_template(opt):

@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 21): lossless greedy output for every proposer, KV rollback without
+"""Speculative decoding: lossless greedy output for every proposer, KV rollback without
 leaks, rejection sampling that keeps the target's distribution, adaptive length, recompute on
 non-finite logits, hot swap, and clear errors for bad settings."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from devin_compile.config import SpeculativeConfig
 from devin_compile.runtime.sampling import SamplingParams
 from devin_compile.runtime.speculative import Draft, SpecState, accept_sampled
 from devin_compile.runtime.speculative.ngram import lookup
-from devin_compile.speculation import layer_view
+from devin_compile.runtime.speculative.factory import layer_view
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7],  # repeats: the n-gram proposer finds matches
@@ -31,7 +31,7 @@ def _greedy(opt, prompts=PROMPTS, **kw):
 
 def _no_leak(opt):
     eng = opt.engine
-    assert eng.allocator.num_used == 0, "target blocks still held after every request finished"
+    assert eng.kv.allocator.num_used == 0, "target blocks still held after every request finished"
     if eng.spec is not None and hasattr(eng.spec.proposer, "allocator"):
         assert eng.spec.proposer.allocator.num_used == 0, "draft blocks still held"
 
@@ -132,7 +132,7 @@ def test_random_accept_reject_leaks_nothing(scripted_setup, seed, k):
                      SpeculativeConfig(num_tokens=k, adaptive=False))
     eng.debug_checks = True
     assert _greedy(opt, prompts) == [ref[tuple(p)] for p in prompts]
-    assert eng.allocator.num_used == 0
+    assert eng.kv.allocator.num_used == 0
     # every registered block holds verified tokens with the K/V plain decoding computes for them
     bs = 4
     chunks = {}
@@ -140,8 +140,8 @@ def test_random_accept_reject_leaks_nothing(scripted_setup, seed, k):
         ids = p + ref[tuple(p)]
         for j in range(len(ids) // bs):
             chunks[tuple(ids[j * bs:(j + 1) * bs])] = True
-    plain_cache = plain.engine.prefix_cache
-    for block, entry in list(eng.prefix_cache._by_block.items()):
+    plain_cache = plain.engine.kv.prefix_cache
+    for block, entry in list(eng.kv.prefix_cache._by_block.items()):
         assert entry.tokens in chunks, "an unverified token reached the prefix cache"
         twin = plain_cache.get(entry.hash)
         if twin is not None:

@@ -61,11 +61,6 @@ class CacheStats:
     rejected: int = 0
     errors: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 

@@ -69,78 +69,90 @@ def sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, torc
     fallback = _attribute_windows(attn)
     if not attn:
         return fallback
-    def _width(name: str) -> int | None:
-        v = getattr(text_cfg, name, None)
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+    window = _config_width(text_cfg, "sliding_window")
+    masks, causal_flags = _probe_masks(model, text_cfg, attn)
+    return {n: _window_of(model, n, m, masks.get(n, _MISSING), causal_flags.get(n), fallback[n], window)
+            for n, m in attn}
 
-    window = _width("sliding_window")
-    has_window = window is not None
+
+def _config_width(text_cfg, name: str) -> int | None:
+    """The config's positive integer ``name`` (a mask width), else None."""
+    v = getattr(text_cfg, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _probe_masks(model: torch.nn.Module, text_cfg,
+                 attn: list[tuple[str, torch.nn.Module]]) -> tuple[dict[str, object], dict[str, object]]:
+    """Each attention module's ``attention_mask`` and explicit ``is_causal`` arguments in one
+    ``_PROBE_LEN``-token forward with the config's mask widths shrunk to the probe's (config and
+    train mode put back after); no masks when the forward fails."""
     shrink = {name: probe for name, probe in (("sliding_window", _PROBE_WINDOW), ("attention_chunk_size", _PROBE_CHUNK))
-              if _width(name) is not None}
+              if _config_width(text_cfg, name) is not None}
     saved = {name: getattr(text_cfg, name) for name in shrink}
     masks: dict[str, object] = {}
     causal_flags: dict[str, object] = {}  # an explicit is_causal= argument, if the call passed one
     hooks = []
-
-    def recorder(name: str, module: torch.nn.Module):
-        sig = inspect.signature(module.forward)
-
-        def hook(_mod, args, kwargs):
-            try:
-                bound = sig.bind_partial(*args, **kwargs).arguments
-            except TypeError:
-                bound = kwargs
-            masks.setdefault(name, bound.get("attention_mask", _MISSING))
-            causal_flags.setdefault(name, bound.get("is_causal", kwargs.get("is_causal")))
-
-        return hook
-
     param = next(model.parameters())
     L = _PROBE_LEN
     ids = (torch.arange(L, device=param.device) % max(1, text_cfg.vocab_size))[None]
     was_training = model.training
     try:
         for n, m in attn:
-            hooks.append(m.register_forward_pre_hook(recorder(n, m), with_kwargs=True))
+            hooks.append(m.register_forward_pre_hook(_recorder(n, m, masks, causal_flags), with_kwargs=True))
         for name, probe in shrink.items():
             setattr(text_cfg, name, probe)
         model.eval()
         with torch.no_grad():
             model(input_ids=ids, position_ids=torch.arange(L, device=param.device)[None], use_cache=False)
     except Exception:  # noqa: BLE001  (capture will report the real problem, if any)
-        masks.clear()  # nothing observed: the modules' attributes decide below
+        masks.clear()  # nothing observed: the modules' attributes decide
     finally:
         for h in hooks:
             h.remove()
         for name, value in saved.items():
             setattr(text_cfg, name, value)
         model.train(was_training)
+    return masks, causal_flags
+
+
+def _recorder(name: str, module: torch.nn.Module, masks: dict[str, object], causal_flags: dict[str, object]):
+    """A forward pre-hook recording the first ``attention_mask`` and ``is_causal`` ``module`` gets."""
+    sig = inspect.signature(module.forward)
+
+    def hook(_mod, args, kwargs):
+        try:
+            bound = sig.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = kwargs
+        masks.setdefault(name, bound.get("attention_mask", _MISSING))
+        causal_flags.setdefault(name, bound.get("is_causal", kwargs.get("is_causal")))
+
+    return hook
+
+
+def _window_of(model: torch.nn.Module, name: str, module: torch.nn.Module, mask: object, causal_flag: object,
+               attribute_window: int, window: int | None) -> int:
+    """One attention module's window from the mask it got in the probe (see :func:`sliding_windows`)."""
+    L = _PROBE_LEN
+    vis = _visible(mask) if isinstance(mask, torch.Tensor) else None
+    if vis is None or tuple(vis.shape) != (L, L):
+        # No mask to read (None: SDPA / flash attention follow is_causal, HF's default True), so the
+        # call's is_causal= or the module's is_causal decides (False: e.g. BERT with is_decoder=False).
+        if (causal_flag if causal_flag is not None else getattr(module, "is_causal", True)) is False:
+            _refuse_bidirectional(model, name)
+        return -1 if mask is None else attribute_window
+    vis = vis.cpu()
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     band = causal & ~torch.ones(L, L, dtype=torch.bool).tril(-_PROBE_WINDOW)
-    out: dict[str, int] = {}
-    for n, m in attn:
-        mask = masks.get(n, _MISSING)
-        vis = _visible(mask) if isinstance(mask, torch.Tensor) else None
-        if vis is None or tuple(vis.shape) != (L, L):
-            # No mask to read (None: SDPA / flash attention follow is_causal, HF's default True), so the
-            # call's is_causal= or the module's is_causal decides (False: e.g. BERT with is_decoder=False).
-            flag = causal_flags.get(n)
-            if (flag if flag is not None else getattr(m, "is_causal", True)) is False:
-                _refuse_bidirectional(model, n)
-            out[n] = -1 if mask is None else fallback[n]
-            continue
-        vis = vis.cpu()
-        if torch.equal(vis, causal) or torch.equal(vis, ~causal):
-            # ~causal: a bool mask marking the *hidden* keys (MPT's masked_fill(mask, min) convention)
-            out[n] = fallback[n] if fallback[n] >= L else -1
-        elif has_window and torch.equal(vis, band):
-            out[n] = int(window)
-        elif bool(vis.all()):
-            _refuse_bidirectional(model, n)
-        else:
-            raise UnsupportedModelError(
-                f"{n}: the attention mask {type(model).__name__} builds is neither causal nor a causal "
-                "sliding window (e.g. chunked or bidirectional attention, or ALiBi biases folded into the "
-                "mask); the paged runtime serves only causal and sliding-window attention"
-            )
-    return out
+    if torch.equal(vis, causal) or torch.equal(vis, ~causal):
+        # ~causal: a bool mask marking the *hidden* keys (MPT's masked_fill(mask, min) convention)
+        return attribute_window if attribute_window >= L else -1
+    if window is not None and torch.equal(vis, band):
+        return int(window)
+    if bool(vis.all()):
+        _refuse_bidirectional(model, name)
+    raise UnsupportedModelError(
+        f"{name}: the attention mask {type(model).__name__} builds is neither causal nor a causal "
+        "sliding window (e.g. chunked or bidirectional attention, or ALiBi biases folded into the "
+        "mask); the paged runtime serves only causal and sliding-window attention"
+    )

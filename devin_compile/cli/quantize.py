@@ -24,26 +24,35 @@ def add_arguments(p) -> None:
     def stage(name: str, text: str):
         return stages.add_parser(name, help=text, description=text)
 
-    def data_args(s, chunks: int):
-        s.add_argument("--quiet", action="store_true", help="no progress bars")
-        s.add_argument("--data", default=None, nargs="+", metavar="PATH",
-                       help="text files and/or folders of text files (default: the calibration set shipped in "
-                            "the package: prose, dialogue, technical docs, code, markup, five languages)")
-        s.add_argument("--chunks", type=common.int_at_least(1), default=chunks, metavar="N",
-                       help=f"number of token chunks (default {chunks})")
-        s.add_argument("--chunk-len", type=common.int_at_least(2), default=512, metavar="N",
-                       help="tokens per chunk (default 512)")
+    _add_calibrate_arguments(stage("calibrate", "collect activation statistics and Hessians on real text (start of "
+                                                "--data)"))
+    _add_run_arguments(stage("run", "quantize from calibration statistics; writes safetensors + JSON"))
+    _add_validate_arguments(stage("validate", "perplexity, KL, top-1, bytes and per-layer table (end of --data)"))
 
-    c = stage("calibrate", "collect activation statistics and Hessians on real text (start of --data)")
+
+def _add_data_arguments(s, chunks: int) -> None:
+    """``--quiet`` and the text options (``--data``, ``--chunks``, ``--chunk-len``) of calibrate and validate."""
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.add_argument("--data", default=None, nargs="+", metavar="PATH",
+                   help="text files and/or folders of text files (default: the calibration set shipped in "
+                        "the package: prose, dialogue, technical docs, code, markup, five languages)")
+    s.add_argument("--chunks", type=common.int_at_least(1), default=chunks, metavar="N",
+                   help=f"number of token chunks (default {chunks})")
+    s.add_argument("--chunk-len", type=common.int_at_least(2), default=512, metavar="N",
+                   help="tokens per chunk (default 512)")
+
+
+def _add_calibrate_arguments(c) -> None:
     common.add_model_arguments(c, uses_attention=False)
-    data_args(c, 16)
+    _add_data_arguments(c, 16)
     c.add_argument("--out", required=True, metavar="DIR", help="directory for stats.safetensors + calib.json")
     c.add_argument("--no-output-gradients", action="store_true",
                    help="skip the backward pass that gathers output-gradient statistics (mixed precision then ranks "
                         "linears by relative output error instead of estimated loss increase)")
     c.set_defaults(fn=calibrate)
 
-    r = stage("run", "quantize from calibration statistics; writes safetensors + JSON")
+
+def _add_run_arguments(r) -> None:
     common.add_model_arguments(r, uses_attention=False)
     r.add_argument("--calib", required=True, metavar="DIR",
                    help="directory written by \"devin-compile quantize calibrate\"")
@@ -82,9 +91,10 @@ def add_arguments(p) -> None:
     r.add_argument("--quiet", action="store_true", help="no progress bars")
     r.set_defaults(fn=quantize)
 
-    v = stage("validate", "perplexity, KL, top-1, bytes and per-layer table (end of --data)")
+
+def _add_validate_arguments(v) -> None:
     common.add_model_arguments(v)
-    data_args(v, 16)
+    _add_data_arguments(v, 16)
     v.add_argument("--quantized", required=True, metavar="DIR",
                    help="directory written by \"devin-compile quantize run\"")
     v.add_argument("--report-dir", default=None, metavar="DIR",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,10 +80,46 @@ def save(result: QuantResult, out_dir: str | os.PathLike) -> Path:
 
 def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
     """Read an artifact written by :func:`save` and check it against ``model``."""
+    p = Path(path)
+    meta, tensors = _read_files(p)
+    check_fingerprint(meta["fingerprint"], model, f"quantized model {p}")
+    head = meta.get("head")
+    if head is not None and (output_head(model) or ("",))[0] != head:
+        raise ValueError(f"quantized model {p} quantizes the output head {head!r}, which this model lacks")
+    lins = quantizable_linears(model, lm_head=head is not None)
+    layers = meta["linears"]
+    unknown = sorted(set(layers) - set(lins))
+    if unknown:
+        raise ValueError(f"quantized model {p} has linears this model lacks, e.g. {unknown[:3]}")
+    linears = {name: _read_linear(tensors, name, info, lins[name]) for name, info in layers.items()}
+    overrides = _read_overrides(tensors, meta.get("overrides", []), model)
+    return QuantResult(meta["method"], int(meta["bits"]), int(meta["group_size"]), linears, overrides,
+                       meta["fingerprint"], config=meta.get("config", {}), seconds=float(meta.get("seconds", 0.0)),
+                       calib=meta.get("calib", {}), notes=list(meta.get("notes", [])),
+                       groups=[list(g) for g in meta.get("groups", [])], head=head)
+
+
+@dataclass
+class _Tensors:
+    """An artifact's tensors, read with checks whose errors name the artifact and the tensor."""
+    path: Path
+    tensors: dict[str, torch.Tensor]
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ValueError(f"quantized model {self.path} is missing tensor {name!r}")
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(f"quantized model {self.path}: tensor {name!r} is {t.dtype}{list(t.shape)}, "
+                             f"expected {dtype}{list(shape)}")
+        return t
+
+
+def _read_files(p: Path) -> tuple[dict, _Tensors]:
+    """The JSON and the tensors of the artifact in ``p``, after the format and version check."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    p = Path(path)
     if not p.is_dir() or not (p / CONFIG_FILE).exists() or not (p / TENSORS_FILE).exists():
         raise FileNotFoundError(f"{p} is not a quantized-model directory (needs {CONFIG_FILE} and {TENSORS_FILE}; "
                                 "make one with `devin-compile quantize run`)")
@@ -96,64 +133,50 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
         tensors = load_file(str(p / TENSORS_FILE))
     except (SafetensorError, OSError, RuntimeError) as e:
         raise ValueError(f"{p / TENSORS_FILE} is corrupted or truncated: {e}") from None
-    check_fingerprint(meta["fingerprint"], model, f"quantized model {p}")
-    head = meta.get("head")
-    if head is not None and (output_head(model) or ("",))[0] != head:
-        raise ValueError(f"quantized model {p} quantizes the output head {head!r}, which this model lacks")
-    lins = quantizable_linears(model, lm_head=head is not None)
-    layers = meta["linears"]
-    unknown = sorted(set(layers) - set(lins))
-    if unknown:
-        raise ValueError(f"quantized model {p} has linears this model lacks, e.g. {unknown[:3]}")
+    return meta, _Tensors(p, tensors)
 
-    def get(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        t = tensors.get(name)
-        if t is None:
-            raise ValueError(f"quantized model {p} is missing tensor {name!r}")
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"quantized model {p}: tensor {name!r} is {t.dtype}{list(t.shape)}, "
-                             f"expected {dtype}{list(shape)}")
-        return t
 
-    linears = {}
-    for name, info in layers.items():
-        n, k = lins[name].out_features, lins[name].in_features
-        if list(info["shape"]) != [n, k]:
-            raise ValueError(f"quantized model {p}: {name} has shape {info['shape']}, the model's is {[n, k]}")
-        g = int(info["group_size"])
-        ng = fmt.num_groups(k, g)
-        q = fmt.unpack_nibbles(get(f"{name}.qweight", (n, (k + 1) // 2), torch.uint8), k)
-        if q.max() > fmt.QMAX:  # unreachable for nibbles; kept for the format's invariant
-            raise ValueError(f"quantized model {p}: {name}.qweight has values above {fmt.QMAX}")
-        scale = get(f"{name}.scale", (n, ng), torch.float32)
-        minv = get(f"{name}.minv", (n, ng), torch.float32)
-        if not (torch.isfinite(scale).all() and torch.isfinite(minv).all()):
-            raise ValueError(f"quantized model {p}: {name} has non-finite scales or zeros")
-        s_in = get(f"{name}.in_scale", (k,), torch.float32) if info.get("in_scale") else None
-        s_row = get(f"{name}.row_scale", (n,), torch.float32) if info.get("row_scale") else None
-        loss_delta = info.get("loss_delta")
-        ql = QLinear(q, scale, minv, g, info.get("group_note", ""), float(info["err"]),
-                     float(info["signal"]), s_in, s_row, None if loss_delta is None else float(loss_delta))
-        if info.get("fp8"):
-            q8 = get(f"{name}.fp8_weight", (n, k), torch.float8_e4m3fn).view(torch.uint8)
-            s8 = get(f"{name}.fp8_scale", (n,), torch.float32)
-            if fp8_fmt.has_nan_codes(q8) or not torch.isfinite(s8).all():
-                raise ValueError(f"quantized model {p}: {name} has NaN FP8 codes or non-finite FP8 scales")
-            d8 = info.get("fp8_loss_delta")
-            ql.fp8_q, ql.fp8_scale, ql.fp8_err = q8, s8, float(info["fp8_err"])
-            ql.fp8_loss_delta = None if d8 is None else float(d8)
-        linears[name] = ql
+def _read_linear(t: _Tensors, name: str, info: dict, lin: torch.nn.Linear) -> QLinear:
+    """Linear ``name``'s quantized weights (INT4, and FP8 when stored), checked against ``lin``."""
+    p = t.path
+    n, k = lin.out_features, lin.in_features
+    if list(info["shape"]) != [n, k]:
+        raise ValueError(f"quantized model {p}: {name} has shape {info['shape']}, the model's is {[n, k]}")
+    g = int(info["group_size"])
+    ng = fmt.num_groups(k, g)
+    q = fmt.unpack_nibbles(t.get(f"{name}.qweight", (n, (k + 1) // 2), torch.uint8), k)
+    if q.max() > fmt.QMAX:  # unreachable for nibbles; kept for the format's invariant
+        raise ValueError(f"quantized model {p}: {name}.qweight has values above {fmt.QMAX}")
+    scale = t.get(f"{name}.scale", (n, ng), torch.float32)
+    minv = t.get(f"{name}.minv", (n, ng), torch.float32)
+    if not (torch.isfinite(scale).all() and torch.isfinite(minv).all()):
+        raise ValueError(f"quantized model {p}: {name} has non-finite scales or zeros")
+    s_in = t.get(f"{name}.in_scale", (k,), torch.float32) if info.get("in_scale") else None
+    s_row = t.get(f"{name}.row_scale", (n,), torch.float32) if info.get("row_scale") else None
+    loss_delta = info.get("loss_delta")
+    ql = QLinear(q, scale, minv, g, info.get("group_note", ""), float(info["err"]),
+                 float(info["signal"]), s_in, s_row, None if loss_delta is None else float(loss_delta))
+    if info.get("fp8"):
+        q8 = t.get(f"{name}.fp8_weight", (n, k), torch.float8_e4m3fn).view(torch.uint8)
+        s8 = t.get(f"{name}.fp8_scale", (n,), torch.float32)
+        if fp8_fmt.has_nan_codes(q8) or not torch.isfinite(s8).all():
+            raise ValueError(f"quantized model {p}: {name} has NaN FP8 codes or non-finite FP8 scales")
+        d8 = info.get("fp8_loss_delta")
+        ql.fp8_q, ql.fp8_scale, ql.fp8_err = q8, s8, float(info["fp8_err"])
+        ql.fp8_loss_delta = None if d8 is None else float(d8)
+    return ql
+
+
+def _read_overrides(t: _Tensors, names: list[str], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The replacement parameters ``names`` (AWQ-scaled norm weights), checked against ``model``'s."""
     params = dict(model.named_parameters())
     overrides = {}
-    for pname in meta.get("overrides", []):
+    for pname in names:
         if pname not in params:
-            raise ValueError(f"quantized model {p} overrides parameter {pname!r}, which this model lacks")
-        t = tensors.get(f"override.{pname}")
-        if t is None or tuple(t.shape) != tuple(params[pname].shape) or not t.is_floating_point():
-            raise ValueError(f"quantized model {p}: tensor 'override.{pname}' is missing or is not a float tensor "
-                             f"of shape {list(params[pname].shape)}")
-        overrides[pname] = t
-    return QuantResult(meta["method"], int(meta["bits"]), int(meta["group_size"]), linears, overrides,
-                       meta["fingerprint"], config=meta.get("config", {}), seconds=float(meta.get("seconds", 0.0)),
-                       calib=meta.get("calib", {}), notes=list(meta.get("notes", [])),
-                       groups=[list(g) for g in meta.get("groups", [])], head=head)
+            raise ValueError(f"quantized model {t.path} overrides parameter {pname!r}, which this model lacks")
+        value = t.tensors.get(f"override.{pname}")
+        if value is None or tuple(value.shape) != tuple(params[pname].shape) or not value.is_floating_point():
+            raise ValueError(f"quantized model {t.path}: tensor 'override.{pname}' is missing or is not a float "
+                             f"tensor of shape {list(params[pname].shape)}")
+        overrides[pname] = value
+    return overrides

@@ -39,6 +39,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -229,141 +230,170 @@ def symmetric_from_upper(acc: torch.Tensor) -> torch.Tensor:
     return torch.triu(acc) + torch.triu(acc, 1).t()
 
 
+class StatsCollector:
+    """Accumulates :class:`CalibrationStats` over chunks, from hooks on the linears and norms and, with
+    ``gradients``, on the linears' outputs and the input embedding (the autograd graph starts at its
+    output: activation gradients only, none for parameters)."""
+
+    def __init__(self, model: torch.nn.Module, gradients: bool):
+        # the output head's input too (cheap: one [K, K] Hessian), for quantization with lm_head=True
+        self.linears = quantizable_linears(model, lm_head=output_head(model) is not None)
+        self.norms = _norm_modules(model)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.embedding = emb if isinstance(emb, torch.nn.Module) else None
+        self.gradients = gradients and self.embedding is not None
+        self.hessian: dict[str, torch.Tensor] = {}
+        self.absmean: dict[str, torch.Tensor] = {}
+        self.linear_input: dict[str, str] = {}
+        self.producer: dict[str, str] = {}
+        self.grad_sq: dict[str, torch.Tensor] = {}  # linear name → Σ (∂ℓ/∂y)² per output channel
+        self.grad_gram: dict[str, torch.Tensor] = {}  # input key → Σ_t w_t x_t x_tᵀ (upper blocks)
+        self.grad_weight: dict[str, float] = {}  # input key → Σ_t w_t
+        self.tokens = 0
+        self.grad_positions = 0
+        # this chunk only
+        self._live: dict[int, tuple[torch.Tensor, str]] = {}  # id(input tensor) → (tensor, key)
+        self._norm_out: dict[int, tuple[torch.Tensor, str]] = {}
+        self._chunk_x: dict[str, torch.Tensor] = {}  # input key → [T, K] input (for the gradient gram)
+        self._token_w: dict[str, torch.Tensor] = {}  # input key → [T] Σ ‖∂ℓ/∂y_t‖²
+        self._start: torch.Tensor | None = None  # the embedding output, where the autograd graph starts
+        self._handles: list = []
+
+    def attach(self) -> None:
+        """Register the hooks (:meth:`detach` removes them)."""
+        self._handles += [m.register_forward_pre_hook(partial(self._on_linear_input, n))
+                          for n, m in self.linears.items()]
+        self._handles += [m.register_forward_hook(partial(self._on_norm_output, n)) for n, m in self.norms.items()]
+        if self.gradients:
+            self._handles += [m.register_forward_hook(partial(self._on_linear_output, n))
+                              for n, m in self.linears.items()]
+            self._handles.append(self.embedding.register_forward_hook(self._on_embedding_output))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._clear_chunk()
+
+    def _clear_chunk(self) -> None:
+        self._live.clear()
+        self._norm_out.clear()
+        self._token_w.clear()
+        self._chunk_x.clear()
+
+    def run_chunk(self, model: torch.nn.Module, ids: torch.Tensor) -> None:
+        """One forward over ``ids`` [1, T] (the hooks collect), and with gradients one backward."""
+        out = model(input_ids=ids, use_cache=False)
+        if self.gradients and ids.shape[1] > 1:
+            self._backward(out.logits, ids)
+        del out
+        self._start = None
+        self._clear_chunk()
+        self.tokens += ids.numel()
+
+    def _backward(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """Backward from the chunk's next-token cross-entropy (summed over positions, so each
+        position's gradient is its own loss's), then this chunk's gradient-weighted grams."""
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+        torch.autograd.grad(loss, [self._start])  # the output-gradient hooks collect on the way
+        self.grad_positions += ids.shape[1] - 1
+        for key, w in self._token_w.items():
+            x2 = self._chunk_x[key]
+            if key not in self.grad_gram:
+                self.grad_gram[key] = torch.zeros(x2.shape[1], x2.shape[1], device=x2.device)
+            add_gram(self.grad_gram[key], x2, x2 * w[:, None])
+            self.grad_weight[key] = self.grad_weight.get(key, 0.0) + float(w.sum())
+
+    def _on_linear_input(self, name: str, _mod, args) -> None:
+        """Accumulate a linear's input, once per distinct input tensor (q/k/v share one)."""
+        x = args[0]
+        hit = self._live.get(id(x))
+        if hit is not None and hit[0] is x:
+            key = hit[1]
+        else:
+            key = name
+            self._live[id(x)] = (x, key)
+            x2 = x.detach().reshape(-1, x.shape[-1]).float()
+            if self.gradients:
+                self._chunk_x[key] = x2
+            a = x2.abs().sum(0)
+            if key in self.hessian:
+                self.absmean[key] += a
+            else:
+                kdim = x2.shape[1]
+                self.hessian[key], self.absmean[key] = torch.zeros(kdim, kdim, device=x2.device), a
+                n = _norm_producing(x, self._norm_out)
+                if n is not None:
+                    self.producer[key] = n
+            add_gram(self.hessian[key], x2, x2)
+        prev = self.linear_input.setdefault(name, key)
+        if prev != key:
+            raise RuntimeError(f"calibration: {name} read a different input on a later chunk ({prev} vs {key})")
+
+    def _on_norm_output(self, name: str, _mod, _args, out) -> None:
+        if isinstance(out, torch.Tensor):
+            self._norm_out[id(out)] = (out, name)
+
+    def _on_linear_output(self, name: str, _mod, _args, out) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(partial(self._on_output_grad, name))
+
+    def _on_output_grad(self, name: str, g: torch.Tensor) -> None:
+        g2 = g.detach().reshape(-1, g.shape[-1]).float().pow(2)
+        sq = g2.sum(0)
+        key = self.linear_input[name]
+        self._token_w[key] = self._token_w[key] + g2.sum(1) if key in self._token_w else g2.sum(1)
+        if name in self.grad_sq:
+            self.grad_sq[name] += sq
+        else:
+            self.grad_sq[name] = sq
+
+    def _on_embedding_output(self, _mod, _args, out) -> torch.Tensor:
+        self._start = out.detach().requires_grad_(True)
+        return self._start
+
+    def finish(self, *, num_chunks: int, chunk_len: int, fingerprint: dict, seconds: float,
+               data: str) -> CalibrationStats:
+        """The means over the tokens seen, as :class:`CalibrationStats`."""
+        hessian = {k: (symmetric_from_upper(h) / self.tokens).cpu() for k, h in self.hessian.items()}
+        absmean = {k: (a / self.tokens).cpu() for k, a in self.absmean.items()}
+        missing = sorted(set(self.linears) - set(self.linear_input))
+        if missing:
+            raise ValueError(f"calibration: {len(missing)} linears never ran on the calibration text, e.g. {missing[:3]}")
+        fisher, grad_hessian = {}, {}
+        # all or nothing: a ranking that mixed loss estimates with missing ones would mean nothing
+        if self.gradients and self.grad_positions and set(self.grad_sq) == set(self.linears):
+            fisher = {n: (self.grad_sq[n] / self.grad_positions).cpu() for n in self.linears}
+            grad_hessian = {k: (symmetric_from_upper(self.grad_gram[k]) / max(self.grad_weight[k], 1e-30)).cpu()
+                            for k in hessian}
+        return CalibrationStats(hessian, absmean, self.linear_input, self.producer, self.tokens, num_chunks,
+                                chunk_len, fingerprint, seconds, data, fisher=fisher, grad_hessian=grad_hessian)
+
+
 def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                   progress: ProgressArg = True, data: str = "",
                   fisher: bool = True) -> CalibrationStats:
     """Run ``chunks`` through ``model`` and accumulate :class:`CalibrationStats` (see module doc).
 
-    With ``fisher`` each chunk also runs backward from its next-token cross-entropy (sum over
-    positions, so each position's gradient is its own loss's) to gather the output-gradient
-    squares; only activation gradients are computed, the model's parameters get none."""
+    With ``fisher`` each chunk also runs backward from its next-token cross-entropy to gather the
+    output-gradient squares (:class:`StatsCollector`)."""
     if not chunks:
         raise ValueError("calibration needs at least one chunk of tokens")
     t0 = time.perf_counter()
     if not decoder_linears(model):
         raise ValueError(f"{type(model).__name__} has no nn.Linear layers besides its output head: nothing to quantize")
-    # the output head's input too (cheap: one [K, K] Hessian), for quantization with lm_head=True
-    linears = quantizable_linears(model, lm_head=output_head(model) is not None)
-    norms = _norm_modules(model)
-    hessian: dict[str, torch.Tensor] = {}
-    absmean: dict[str, torch.Tensor] = {}
-    linear_input: dict[str, str] = {}
-    producer: dict[str, str] = {}
-    live: dict[int, tuple[torch.Tensor, str]] = {}  # id(input tensor) → (tensor, key), this chunk only
-    norm_out: dict[int, tuple[torch.Tensor, str]] = {}
-    grad_sq: dict[str, torch.Tensor] = {}
-    chunk_x: dict[str, torch.Tensor] = {}  # input key → this chunk's [T, K] input (for grad_hessian)
-    token_w: dict[str, torch.Tensor] = {}  # input key → this chunk's [T] Σ ‖∂ℓ/∂y_t‖²
-    gh: dict[str, torch.Tensor] = {}
-    gh_w: dict[str, float] = {}
-    tokens = 0
-    grad_positions = 0
-
-    def pre_hook(name):
-        def hook(_mod, args):
-            x = args[0]
-            hit = live.get(id(x))
-            if hit is not None and hit[0] is x:
-                key = hit[1]
-            else:
-                key = name
-                live[id(x)] = (x, key)
-                x2 = x.detach().reshape(-1, x.shape[-1]).float()
-                if fisher:
-                    chunk_x[key] = x2
-                a = x2.abs().sum(0)
-                if key in hessian:
-                    absmean[key] += a
-                else:
-                    kdim = x2.shape[1]
-                    hessian[key], absmean[key] = torch.zeros(kdim, kdim, device=x2.device), a
-                    n = _norm_producing(x, norm_out)
-                    if n is not None:
-                        producer[key] = n
-                add_gram(hessian[key], x2, x2)
-            prev = linear_input.setdefault(name, key)
-            if prev != key:
-                raise RuntimeError(f"calibration: {name} read a different input on a later chunk ({prev} vs {key})")
-        return hook
-
-    def norm_hook(name):
-        def hook(_mod, _args, out):
-            if isinstance(out, torch.Tensor):
-                norm_out[id(out)] = (out, name)
-        return hook
-
-    def grad_hook(name):
-        def on_grad(g):
-            g2 = g.detach().reshape(-1, g.shape[-1]).float().pow(2)
-            sq = g2.sum(0)
-            key = linear_input[name]
-            token_w[key] = token_w[key] + g2.sum(1) if key in token_w else g2.sum(1)
-            if name in grad_sq:
-                grad_sq[name] += sq
-            else:
-                grad_sq[name] = sq
-
-        def hook(_mod, _args, out):
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(on_grad)
-        return hook
-
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    start: list[torch.Tensor | None] = [None]
-    fisher = fisher and isinstance(emb, torch.nn.Module)
-    handles = [m.register_forward_pre_hook(pre_hook(n)) for n, m in linears.items()]
-    handles += [m.register_forward_hook(norm_hook(n)) for n, m in norms.items()]
-    if fisher:
-        handles += [m.register_forward_hook(grad_hook(n)) for n, m in linears.items()]
-        # the gradient starts at the embedding output: activations only, no parameter gradients
-        def emb_hook(_mod, _args, out):
-            start[0] = out.detach().requires_grad_(True)
-            return start[0]
-        handles.append(emb.register_forward_hook(emb_hook))
+    collector = StatsCollector(model, gradients=fisher)
+    chunk_len = int(chunks[0].numel())
     device = next(model.parameters()).device
-    bar = Progress(progress, len(chunks), f"calibrating ({len(chunks)} x {int(chunks[0].numel())} tokens)")
+    bar = Progress(progress, len(chunks), f"calibrating ({len(chunks)} x {chunk_len} tokens)")
     try:
-        with torch.set_grad_enabled(fisher):
+        collector.attach()
+        with torch.set_grad_enabled(collector.gradients):
             for i, chunk in enumerate(chunks):
-                live.clear()
-                norm_out.clear()
-                ids = chunk.reshape(1, -1).to(device)
-                out = model(input_ids=ids, use_cache=False)
-                if fisher and ids.shape[1] > 1:
-                    loss = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:], reduction="sum")
-                    torch.autograd.grad(loss, [start[0]])  # the hooks collect on the way
-                    grad_positions += ids.shape[1] - 1
-                    for key, w in token_w.items():
-                        x2 = chunk_x[key]
-                        if key not in gh:
-                            gh[key] = torch.zeros(x2.shape[1], x2.shape[1], device=x2.device)
-                        add_gram(gh[key], x2, x2 * w[:, None])
-                        gh_w[key] = gh_w.get(key, 0.0) + float(w.sum())
-                token_w.clear()
-                chunk_x.clear()
-                del out
-                start[0] = None
-                tokens += chunk.numel()
+                collector.run_chunk(model, chunk.reshape(1, -1).to(device))
                 bar.update(i + 1)
     finally:
         bar.__exit__()
-        for h in handles:
-            h.remove()
-        live.clear()
-        norm_out.clear()
-        token_w.clear()
-        chunk_x.clear()
-    for k in hessian:
-        hessian[k] = (symmetric_from_upper(hessian[k]) / tokens).cpu()
-        absmean[k] = (absmean[k] / tokens).cpu()
-    missing = sorted(set(linears) - set(linear_input))
-    if missing:
-        raise ValueError(f"calibration: {len(missing)} linears never ran on the calibration text, e.g. {missing[:3]}")
-    fisher_stats, grad_hessian = {}, {}
-    # all or nothing: a ranking that mixed loss estimates with missing ones would mean nothing
-    if fisher and grad_positions and set(grad_sq) == set(linears):
-        fisher_stats = {n: (grad_sq[n] / grad_positions).cpu() for n in linears}
-        grad_hessian = {k: (symmetric_from_upper(gh[k]) / max(gh_w[k], 1e-30)).cpu() for k in hessian}
-    return CalibrationStats(hessian, absmean, linear_input, producer, tokens, len(chunks), int(chunks[0].numel()),
-                            model_fingerprint(model), time.perf_counter() - t0, data, fisher=fisher_stats,
-                            grad_hessian=grad_hessian)
+        collector.detach()
+    return collector.finish(num_chunks=len(chunks), chunk_len=chunk_len, fingerprint=model_fingerprint(model),
+                            seconds=time.perf_counter() - t0, data=data)

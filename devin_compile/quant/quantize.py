@@ -64,103 +64,136 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
     t0 = time.perf_counter()
     lins = quantizable_linears(model, cfg.lm_head)
     head = output_head(model)[0] if cfg.lm_head else None
-    if head is not None and head not in stats.linear_input:
-        raise ValueError(f"calibration statistics lack the output head {head!r} (made by an older version): "
-                         "re-run `devin-compile quantize calibrate`, or use lm_head=False")
-    missing = sorted(set(lins) - set(stats.linear_input))
-    if missing:
-        raise ValueError(f"calibration statistics lack {len(missing)} linears of this model, e.g. {missing[:3]}")
+    _check_statistics_cover(stats, lins, head)
     weights = {n: m.weight.detach().float().cpu() for n, m in lins.items()}
     groups: dict[str, list[str]] = {}
     for n in lins:
         groups.setdefault(stats.linear_input[n], []).append(n)
-    notes: list[str] = []
-    in_scale: dict[str, torch.Tensor] = {}
-    row_scale: dict[str, torch.Tensor] = {}
-    overrides: dict[str, torch.Tensor] = {}
     gsize = {n: fmt.choose_group_size(w.shape[1], cfg.group_size) for n, w in weights.items()}
-
+    notes: list[str] = []
+    folds = _AwqFolds()
     if cfg.method == "awq":
-        params = dict(model.named_parameters())
-        unfolded = []
-        search = Progress(progress, len(groups), "AWQ scale search")
-        for gi, (key, names) in enumerate(groups.items()):
-            search.update(gi, key)
-            lw = cfg.for_linear(names[0]).loss_weight  # a shared input: its first linear's options
-            h, a = objective_hessian(stats, key, lw), stats.absmean[key]
-            norm = stats.producer.get(key)
-            src = None if norm is not None else _fold_source(names[0], lins) if len(names) == 1 else None
-            if norm is None and src is None:
-                unfolded.append(names[0])
-                continue
-            # rows weighted by their output-gradient squares (the loss estimate) when calibration has them
-            fis = [stats.fisher.get(n) for n in names] if lw > 0 else []
-            rw = [f.float() for f in fis] if fis and all(f is not None for f in fis) else None
-            s, _alpha, _e, _e0 = awq.search_scale([weights[n] for n in names], h, a, gsize[names[0]][0], rw)
-            for n in names:
-                in_scale[n] = s
-            if norm is not None:
-                pname = f"{norm}.weight"
-                overrides[pname] = (params[pname].detach().float().cpu() / s).to(params[pname].dtype)
-            else:
-                row_scale[src] = 1.0 / s
-        search.update(len(groups))
-        search.__exit__()
-        if unfolded:
-            notes.append(f"AWQ: no preceding norm or linear to fold scales into for {len(unfolded)} linears "
-                         f"(e.g. {unfolded[0]}): clipping search only")
-
+        folds = _awq_scales(model, stats, cfg, lins, weights, groups, gsize, progress)
+        if folds.unfolded:
+            notes.append(f"AWQ: no preceding norm or linear to fold scales into for {len(folds.unfolded)} linears "
+                         f"(e.g. {folds.unfolded[0]}): clipping search only")
     if cfg.method != "rtn" and cfg.loss_weight > 0 and not stats.grad_hessian:
         notes.append("objective: the activation Hessian alone (the calibration has no output-gradient statistics; "
                      "re-run calibration with them to use loss_weight)")
     linears: dict[str, QLinear] = {}
     bar = Progress(progress, len(weights), f"{cfg.method.upper()} INT4 g{cfg.group_size}")
     for i, (n, w) in enumerate(weights.items()):
-        lc = cfg.for_linear(n)  # per_linear overrides applied
-        key = stats.linear_input[n]
-        h = stats.hessian[key].float()
-        h_loss = stats.grad_hessian.get(key, h).float()  # the loss estimate's Hessian
-        h_obj = objective_hessian(stats, key, lc.loss_weight)  # what GPTQ and the searches minimise
-        g, why = gsize[n]
-        s_in, s_row = in_scale.get(n), row_scale.get(n)
-        ws = w
-        if s_in is not None:
-            ws = ws * s_in[None, :]
-            outer = s_in[:, None] * s_in[None, :]  # the input is x / s now
-            h, h_loss, h_obj = h / outer, h_loss / outer, h_obj / outer
-        if s_row is not None:
-            ws = ws * s_row[:, None]
-        if cfg.method == "gptq":
-            grid = awq.clip_search(ws, h_obj, g) if lc.clip else None
-            if lc.anchors and (grid is not None or lc.act_order):
-                if grid is None:
-                    grid = fmt.params_from_range(*fmt.group_minmax(ws, g))
-                grid = anchor_outlier_channels(ws, h_obj, *grid, g, lc.anchors)
-            q, sc, mn, _info = gptq.gptq_quantize(ws, h_obj, g, damp=lc.damp, act_order=lc.act_order, grid=grid,
-                                                refits=lc.refits)
-        elif cfg.method == "awq" and lc.clip:
-            sc, mn = anchor_outlier_channels(ws, h_obj, *awq.clip_search(ws, h_obj, g), g, lc.anchors)
-            q, sc, mn = refit_and_reround(ws, h_obj, fmt.quantize_with(ws, sc, mn, g), sc, mn, g, lc.refits)
-        else:
-            q, sc, mn = fmt.rtn_quantize(ws, g)
-        dw = fmt.dequantize(q, sc, mn, g) - ws
-        err = float(awq.output_error(dw, h).sum())
-        signal = float(awq.output_error(ws, h).sum())
-        f = stats.fisher.get(n)
-        if f is not None and s_row is not None:
-            f = f.float() / s_row.pow(2)  # the output rows were scaled by s_row, their loss gradients by 1 / s_row
-        linears[n] = QLinear(q, sc, mn, g, why, err, signal, s_in, s_row, _loss_delta(dw, h_loss, f))
-        if "fp8" in cfg.tiers:
-            _add_fp8(linears[n], ws, h, h_loss, f)
+        linears[n] = _quantize_linear(n, w, stats, cfg, gsize[n], folds.in_scale.get(n), folds.row_scale.get(n))
         bar.update(i + 1, n)
     bar.__exit__()
     changed = sorted({why for _g, why in gsize.values() if why})
     notes.extend(f"group size: {why}" for why in changed)
-    return QuantResult(cfg.method, cfg.bits, cfg.group_size, linears, overrides, model_fingerprint(model),
+    return QuantResult(cfg.method, cfg.bits, cfg.group_size, linears, folds.overrides, model_fingerprint(model),
                        config=_config_dict(cfg), seconds=time.perf_counter() - t0,
                        calib={"tokens": stats.tokens, "num_chunks": stats.num_chunks, "chunk_len": stats.chunk_len,
                               "data": stats.data, "seconds": stats.seconds}, notes=notes,
                        groups=[list(g) for g in groups.values()], head=head)
+
+
+def _check_statistics_cover(stats: CalibrationStats, lins: dict[str, torch.nn.Linear], head: str | None) -> None:
+    """Raise unless ``stats`` has the input statistics of every linear to quantize."""
+    if head is not None and head not in stats.linear_input:
+        raise ValueError(f"calibration statistics lack the output head {head!r} (made by an older version): "
+                         "re-run `devin-compile quantize calibrate`, or use lm_head=False")
+    missing = sorted(set(lins) - set(stats.linear_input))
+    if missing:
+        raise ValueError(f"calibration statistics lack {len(missing)} linears of this model, e.g. {missing[:3]}")
+
+
+@dataclasses.dataclass
+class _AwqFolds:
+    """AWQ's scales: per linear its input scale and (folded into a preceding linear) row scale,
+    the norm weights divided by their scales, and the linears with nowhere to fold one."""
+    in_scale: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    row_scale: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    overrides: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    unfolded: list[str] = dataclasses.field(default_factory=list)
+
+
+def _awq_scales(model: torch.nn.Module, stats: CalibrationStats, cfg: QuantConfig, lins: dict[str, torch.nn.Linear],
+                weights: dict[str, torch.Tensor], groups: dict[str, list[str]], gsize: dict[str, tuple],
+                progress: ProgressArg) -> _AwqFolds:
+    """AWQ's scale search, one per input group, each scale folded into the norm that produces the
+    input or else into the one linear whose output rows are that input (:func:`_fold_source`)."""
+    folds = _AwqFolds()
+    params = dict(model.named_parameters())
+    search = Progress(progress, len(groups), "AWQ scale search")
+    for gi, (key, names) in enumerate(groups.items()):
+        search.update(gi, key)
+        lw = cfg.for_linear(names[0]).loss_weight  # a shared input: its first linear's options
+        h, a = objective_hessian(stats, key, lw), stats.absmean[key]
+        norm = stats.producer.get(key)
+        src = None if norm is not None else _fold_source(names[0], lins) if len(names) == 1 else None
+        if norm is None and src is None:
+            folds.unfolded.append(names[0])
+            continue
+        # rows weighted by their output-gradient squares (the loss estimate) when calibration has them
+        fis = [stats.fisher.get(n) for n in names] if lw > 0 else []
+        rw = [f.float() for f in fis] if fis and all(f is not None for f in fis) else None
+        s, _alpha, _e, _e0 = awq.search_scale([weights[n] for n in names], h, a, gsize[names[0]][0], rw)
+        for n in names:
+            folds.in_scale[n] = s
+        if norm is not None:
+            pname = f"{norm}.weight"
+            folds.overrides[pname] = (params[pname].detach().float().cpu() / s).to(params[pname].dtype)
+        else:
+            folds.row_scale[src] = 1.0 / s
+    search.update(len(groups))
+    search.__exit__()
+    return folds
+
+
+def _quantize_linear(name: str, w: torch.Tensor, stats: CalibrationStats, cfg: QuantConfig, group: tuple,
+                     s_in: torch.Tensor | None, s_row: torch.Tensor | None) -> QLinear:
+    """One linear's INT4 weight (and FP8 with that tier) with its error and loss statistics; ``w``
+    is its fp32 weight, ``group`` its (group size, why it differs), ``s_in``/``s_row`` AWQ's folds."""
+    lc = cfg.for_linear(name)  # per_linear overrides applied
+    key = stats.linear_input[name]
+    h = stats.hessian[key].float()
+    h_loss = stats.grad_hessian.get(key, h).float()  # the loss estimate's Hessian
+    h_obj = objective_hessian(stats, key, lc.loss_weight)  # what GPTQ and the searches minimise
+    g, why = group
+    ws = w
+    if s_in is not None:
+        ws = ws * s_in[None, :]
+        outer = s_in[:, None] * s_in[None, :]  # the input is x / s now
+        h, h_loss, h_obj = h / outer, h_loss / outer, h_obj / outer
+    if s_row is not None:
+        ws = ws * s_row[:, None]
+    q, sc, mn = _round_int4(cfg.method, ws, h_obj, g, lc)
+    dw = fmt.dequantize(q, sc, mn, g) - ws
+    err = float(awq.output_error(dw, h).sum())
+    signal = float(awq.output_error(ws, h).sum())
+    f = stats.fisher.get(name)
+    if f is not None and s_row is not None:
+        f = f.float() / s_row.pow(2)  # the output rows were scaled by s_row, their loss gradients by 1 / s_row
+    ql = QLinear(q, sc, mn, g, why, err, signal, s_in, s_row, _loss_delta(dw, h_loss, f))
+    if "fp8" in cfg.tiers:
+        _add_fp8(ql, ws, h, h_loss, f)
+    return ql
+
+
+def _round_int4(method: str, ws: torch.Tensor, h_obj: torch.Tensor, g: int,
+                lc: QuantConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INT4 codes, scales and minima of ``ws`` by ``method`` with one linear's options ``lc``."""
+    if method == "gptq":
+        grid = awq.clip_search(ws, h_obj, g) if lc.clip else None
+        if lc.anchors and (grid is not None or lc.act_order):
+            if grid is None:
+                grid = fmt.params_from_range(*fmt.group_minmax(ws, g))
+            grid = anchor_outlier_channels(ws, h_obj, *grid, g, lc.anchors)
+        q, sc, mn, _info = gptq.gptq_quantize(ws, h_obj, g, damp=lc.damp, act_order=lc.act_order, grid=grid,
+                                            refits=lc.refits)
+        return q, sc, mn
+    if method == "awq" and lc.clip:
+        sc, mn = anchor_outlier_channels(ws, h_obj, *awq.clip_search(ws, h_obj, g), g, lc.anchors)
+        return refit_and_reround(ws, h_obj, fmt.quantize_with(ws, sc, mn, g), sc, mn, g, lc.refits)
+    return fmt.rtn_quantize(ws, g)
 
 
 def objective_hessian(stats: CalibrationStats, key: str, loss_weight: float) -> torch.Tensor:

@@ -39,6 +39,11 @@ class AsyncEngine:
         self._closed = False
         self._error: BaseException | None = None
 
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the step thread (every request then failed with it), or None while healthy."""
+        return self._error
+
     # -- lifecycle --------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
         return self

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .sequence import Sequence
 
@@ -25,6 +25,22 @@ class EngineMetrics:
         """Over the run: of the KV slots allocated to requests, the fraction holding live tokens."""
         s = self.allocated_slots_sampled
         return self.live_slots_sampled / s if s else 1.0
+
+    def record_step(self, decode: bool, seconds: float, tokens: int,
+                    slot_usage: Callable[[], tuple[int, int]]) -> None:
+        """One step that ran a batch: its time and tokens (a decode step: tokens emitted; a step with
+        prompt work: tokens computed); every SLOT_SAMPLE_EVERY steps, ``slot_usage()`` is sampled."""
+        self.steps += 1
+        if self.steps % SLOT_SAMPLE_EVERY == 1:
+            live, allocated = slot_usage()
+            self.live_slots_sampled += live
+            self.allocated_slots_sampled += allocated
+        if decode:
+            self.decode_time += seconds
+            self.decode_tokens += tokens
+        else:
+            self.prefill_time += seconds
+            self.prefill_tokens += tokens
 
 
 SLOT_SAMPLE_EVERY = 8

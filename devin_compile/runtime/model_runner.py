@@ -15,7 +15,7 @@ from ..step import decode_bucket
 from ..pipeline import Program
 from ..step import AttentionMetadata, StepContext, step_context
 from .kv_cache import PagedKVCache
-from .scheduler import ScheduledSeq
+from .step_plan import ScheduledSeq
 
 
 class ModelRunner:

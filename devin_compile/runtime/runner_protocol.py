@@ -8,7 +8,7 @@ import torch
 
 if TYPE_CHECKING:
     from .kv_cache import PagedKVCache
-    from .scheduler import ScheduledSeq
+    from .step_plan import ScheduledSeq
 
 
 @runtime_checkable

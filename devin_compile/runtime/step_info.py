@@ -7,6 +7,11 @@ logged and removed).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from .output_processor import Emission
+    from .step_plan import ScheduledSeq
 
 
 @dataclass(frozen=True)
@@ -24,3 +29,16 @@ class StepInfo:
     @property
     def batch_size(self) -> int:
         return len(self.request_ids)
+
+    @classmethod
+    def of(cls, index: int, start: float, end: float, scheduled: Sequence["ScheduledSeq"],
+           emitted: Sequence["Emission"]) -> "StepInfo":
+        """The StepInfo of a step that ran ``scheduled`` and produced ``emitted``."""
+        return cls(
+            index=index, start=start, end=end,
+            request_ids=tuple(it.seq.request_id for it in scheduled),
+            request_tokens=tuple(it.num_tokens + len(it.draft) for it in scheduled),
+            prefill_tokens=sum(it.num_tokens for it in scheduled if it.num_tokens > 1),
+            decode_tokens=sum(1 for it in scheduled if it.num_tokens == 1),
+            drafted_tokens=sum(len(it.draft) for it in scheduled),
+            accepted_tokens=sum(len(e.tokens) - 1 for e in emitted if e.drafted and e.tokens))

@@ -1,9 +1,7 @@
-"""The OpenAI-compatible server and the text layer under it (floor 6, beside ``api``).
+"""The OpenAI-compatible server (floor 6, beside ``api``).
 
-``detokenizer`` (incremental detokenisation, stop strings), ``templates`` (chat messages →
-prompt ids), ``protocol`` (request checks, OpenAI errors), ``generation`` (one request's
-choices over the async engine), ``metrics`` (Prometheus), ``app`` (the Starlette app),
-``server`` (uvicorn: foreground with graceful shutdown, or a background thread).
-Nothing is imported here, so ``optimized_model`` can use the detokeniser without pulling
-in the HTTP stack.
+``protocol`` (request checks, OpenAI errors), ``generation`` (one request's choices over the
+async engine), ``metrics`` (Prometheus), ``tracing`` (OpenTelemetry), ``app`` (the Starlette
+app), ``server`` (uvicorn: foreground with graceful shutdown, or a background thread). The text
+layer under it (detokeniser, chat templates, logprob shapes) is :mod:`devin_compile.text`.
 """

@@ -4,13 +4,13 @@
 :class:`Server` owns an :class:`~devin_compile.runtime.async_engine.AsyncEngine` over an
 ``OptimizedModel``'s engine (started and closed by the app's lifespan). A request is parsed
 and checked (:mod:`~devin_compile.serve.protocol`), its prompts tokenised (chat: the
-tokenizer's chat template) and checked against the context and the KV pool, then run as a
+tokenizer's chat template) and checked by the engine's admission check, then run as a
 :class:`~devin_compile.serve.generation.Generation`. Streams are server-sent events ending
 in ``data: [DONE]``. A client that goes away (streamed or not) aborts its request; with
 ``max_queue`` requests waiting for their first token, new ones get 429 + ``Retry-After``.
 Errors are OpenAI-shaped JSON; a failing request never affects the others. Logprobs, when
 asked for, ride on each choice (and each streamed chunk) in OpenAI's shapes
-(:mod:`~devin_compile.serve.logprobs`). With a :class:`~devin_compile.serve.tracing.Tracing`
+(:mod:`~devin_compile.text.logprob_format`). With a :class:`~devin_compile.serve.tracing.Tracing`
 whose ``trace_steps`` is on, the first traced request adds a step hook to the engine and every
 engine step gets child spans under the requests it ran.
 """
@@ -28,14 +28,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..runtime.admission import RequestRejected
 from ..runtime.async_engine import AsyncEngine
 from ..runtime.sampling import SamplingParams
-from .detokenizer import TextStream
+from ..text.detokenizer import TextStream
 from .generation import Choice, Generation
-from .logprobs import LogprobFormatter
+from ..text.logprob_format import LogprobFormatter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import APIError, GenerationRequest, bad, parse_json, parse_request
-from .templates import chat_prompt_ids
+from ..text.chat_template import chat_prompt_ids
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -83,8 +84,8 @@ class Server:
             "max_model_len": self.opt.engine.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
-        if self.engine._error is not None:
-            return JSONResponse({"status": "error", "error": str(self.engine._error)}, status_code=503)
+        if self.engine.error is not None:
+            return JSONResponse({"status": "error", "error": str(self.engine.error)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -178,44 +179,33 @@ class Server:
             tracing.on_step(info)
 
     def _choices(self, req: GenerationRequest, chat: bool) -> list[Choice]:
+        """The request's choices (prompt x ``n``), each checked by the engine's admission check
+        (its :class:`RequestRejected` becomes a 400 naming the request field at fault)."""
         engine = self.opt.engine
-        limit = engine.max_model_len
-        pool = engine.allocator.num_blocks * engine.runner.block_size
-        vocab = engine.runner.vocab_size
         field = "messages" if chat else "prompt"
+        fields = {"prompt": field, "max_new_tokens": "max_tokens"}  # engine input → request field
         out = []
-        for p, prompt in enumerate(req.prompts):
-            try:
-                if chat:
-                    ids = chat_prompt_ids(self.tokenizer, prompt)
-                elif isinstance(prompt, str):
-                    ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                else:
-                    ids = list(prompt)
-            except ValueError as e:
-                raise bad(field, str(e)) from None
-            if not ids:
-                raise bad(field, f"{field} has no tokens")
-            if any(not 0 <= t < vocab for t in ids):
-                raise bad(field, f"{field} token ids must be in [0, {vocab})")
-            if len(ids) >= limit:
-                raise bad(field, f"{field} has {len(ids)} tokens but the model's context is {limit}; shorten it")
-            max_tokens = req.max_tokens if req.max_tokens is not None else min(limit, pool) - len(ids)
-            if len(ids) + max_tokens > min(limit, pool):
-                why = "the model's context" if limit <= pool else "the KV pool"
-                raise bad("max_tokens", f"{field} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {why} of "
-                                        f"{min(limit, pool)} tokens; lower max_tokens")
-            for i in range(req.n):
-                index = p * req.n + i
-                try:
-                    params = SamplingParams(max_new_tokens=max_tokens, **req.sampling_kwargs(i))
-                    engine.check_params(params)  # does this model allow the request's kv_prune, speculative?
-                except ValueError as e:
-                    msg = str(e)
-                    raise bad("speculative" if "speculative" in msg else
-                              "kv_prune" if "kv_prune" in msg.lower() or "pruning" in msg else None, msg) from None
-                out.append(Choice(index, ids, params, TextStream(self.tokenizer, ids, req.stop)))
+        try:
+            for p, prompt in enumerate(req.prompts):
+                ids = self._prompt_ids(prompt, chat)
+                # OpenAI's default max_tokens: whatever room the context (and here the KV pool) leaves
+                max_tokens = req.max_tokens if req.max_tokens is not None else engine.admission.token_limit - len(ids)
+                for i in range(req.n):
+                    params = SamplingParams(max_new_tokens=max(max_tokens, 1), **req.sampling_kwargs(i))
+                    engine.check_request(ids, params)
+                    out.append(Choice(p * req.n + i, ids, params, TextStream(self.tokenizer, ids, req.stop)))
+        except RequestRejected as e:
+            raise bad(fields.get(e.param, e.param), str(e)) from None
         return out
+
+    def _prompt_ids(self, prompt, chat: bool) -> list[int]:
+        """Token ids of one prompt: chat messages through the tokenizer's chat template, else text or ids."""
+        if not chat:
+            return self.opt.engine.admission.encode(prompt)
+        try:
+            return chat_prompt_ids(self.tokenizer, prompt)
+        except ValueError as e:
+            raise bad("messages", str(e)) from None
 
     # -- response bodies ----------------------------------------------------------
     def _logprobs(self, c: Choice, entries: list | None, req: GenerationRequest, chat: bool) -> dict | None:

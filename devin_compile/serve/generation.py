@@ -2,7 +2,7 @@
 
 A :class:`Generation` starts one asyncio task per choice (prompt x ``n``); each task
 iterates :meth:`AsyncEngine.outputs`, detokenises incrementally with stop strings
-(:class:`~devin_compile.serve.detokenizer.TextStream`) and puts ``(choice, delta, finish,
+(:class:`~devin_compile.text.detokenizer.TextStream`) and puts ``(choice, delta, finish,
 logprobs)`` events on one queue, which :meth:`events` yields in arrival order (``logprobs``: the
 :class:`~devin_compile.runtime.logprobs.TokenLogprob` of the tokens since the choice's last event,
 when the request asked for them, so a stream carries each token's logprob exactly once). A stop
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..runtime.request_output import RequestError
 from ..runtime.sampling import SamplingParams
-from .detokenizer import TextStream
+from ..text.detokenizer import TextStream
 from .protocol import APIError
 
 

@@ -41,9 +41,9 @@ class _EngineCollector:
         yield GaugeMetricFamily("devin_running_sequences", "Sequences in the running batch",
                                 value=len(e.scheduler.running))
         yield GaugeMetricFamily("devin_kv_blocks_used", "KV-cache blocks held by requests",
-                                value=e.allocator.num_used)
-        yield GaugeMetricFamily("devin_kv_blocks_total", "KV-cache blocks in the pool", value=e.allocator.num_blocks)
-        hits = e.prefix_cache.stats.hit_tokens if e.prefix_cache is not None else 0
+                                value=e.kv.allocator.num_used)
+        yield GaugeMetricFamily("devin_kv_blocks_total", "KV-cache blocks in the pool", value=e.kv.allocator.num_blocks)
+        hits = e.kv.prefix_cache.stats.hit_tokens if e.kv.prefix_cache is not None else 0
         yield CounterMetricFamily("devin_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=hits)
         yield CounterMetricFamily("devin_preemptions", "Sequences preempted for KV space",
@@ -53,8 +53,8 @@ class _EngineCollector:
                                   value=totals.drafted if totals is not None else 0)
         yield CounterMetricFamily("devin_spec_accepted_tokens", "Speculative proposals accepted",
                                   value=totals.accepted if totals is not None else 0)
-        if e.kv_tiers is not None:
-            yield from _tier_metrics(e.kv_tiers.stats())
+        if e.kv.tiers is not None:
+            yield from _tier_metrics(e.kv.tiers.stats())
 
 
 def _tier_metrics(stats: dict):

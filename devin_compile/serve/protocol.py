@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SpeculativeRequest
+from ..config import KVPruneConfig, SpeculativeRequest
 from ..runtime.logprobs import MAX_LOGPROBS
 
 MAX_N = 16
@@ -194,6 +194,19 @@ def _speculative(body: dict):
         raise bad("speculative", f"speculative: {e}") from None
 
 
+def _kv_prune(body: dict):
+    """The ``kv_prune`` extra field: None, false or an object of KVPruneConfig fields (validated)."""
+    v = body.get("kv_prune")
+    if v is None or v is False:
+        return v
+    if not isinstance(v, dict):
+        raise bad("kv_prune", "kv_prune must be false or an object of KVPruneConfig fields")
+    try:
+        return KVPruneConfig.coerce(v, "kv_prune")
+    except ValueError as e:
+        raise bad("kv_prune", str(e)) from None
+
+
 def parse_request(body: dict, chat: bool) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -215,9 +228,7 @@ def parse_request(body: dict, chat: bool) -> GenerationRequest:
     stream = _opt_bool(body, "stream", False)
     if so is not None and not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
-    kv_prune = body.get("kv_prune")
-    if kv_prune is not None and not (kv_prune is False or isinstance(kv_prune, dict)):
-        raise bad("kv_prune", "kv_prune must be false or an object of KVPruneConfig fields")
+    kv_prune = _kv_prune(body)
     timeout = body.get("timeout")
     if timeout is not None and (not _is_num(timeout) or timeout <= 0):
         raise bad("timeout", f"timeout must be a number of seconds > 0, got {timeout!r}")

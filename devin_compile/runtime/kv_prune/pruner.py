@@ -13,8 +13,9 @@ from .scores import PruneState, PruneStep
 from .stats import PruneTotals
 
 if TYPE_CHECKING:
-    from ..kv_cache import BlockAllocator, PagedKVCache
-    from ..scheduler import ScheduledSeq, Scheduler
+    from ..kv_cache import PagedKVCache
+    from ..kv_manager import KVManager
+    from ..step_plan import ScheduledSeq
     from ..sequence import Sequence
 
 
@@ -25,11 +26,9 @@ class KVPruner:
     when it is ``enabled`` and they say nothing else; see :func:`.switch.resolve_request`).
     """
 
-    def __init__(self, default: KVPruneConfig, allocator: "BlockAllocator", scheduler: "Scheduler",
-                 kv_cache: "PagedKVCache", backend: Any) -> None:
+    def __init__(self, default: KVPruneConfig, kv: "KVManager", kv_cache: "PagedKVCache", backend: Any) -> None:
         self.default = default
-        self.allocator = allocator
-        self.scheduler = scheduler
+        self.kv = kv
         self.kv_cache = kv_cache
         self.backend = backend
         self.num_layers = kv_cache.spec.num_layers
@@ -126,11 +125,12 @@ class KVPruner:
     def compact(self, seq: "Sequence", evict: torch.Tensor) -> bool:
         """Drop the slots marked in ``evict`` ([layers, n] bool) and free pages (see :mod:`.compaction`);
         the sequence stops registering prefix blocks. False (nothing changed): no block for a copy."""
-        if not compact(seq, evict, self.allocator, self.kv_cache, self.totals):
+        if not compact(seq, evict, self.kv.allocator, self.kv_cache, self.totals):
             return False
         if bool(evict[0].any()):
-            self.scheduler.stop_prefix_registration(seq)
+            self.kv.stop_registration(seq)
         return True
 
-    def stats(self) -> dict:
-        return self.totals.as_stats(sum(s.num_slots for s in self.scheduler.running))
+    def stats(self, running: list["Sequence"]) -> dict:
+        """Pruning counters, with the KV slots the ``running`` sequences hold now."""
+        return self.totals.as_stats(sum(s.num_slots for s in running))

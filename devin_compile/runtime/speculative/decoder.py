@@ -3,8 +3,8 @@
 Per step the engine calls :meth:`plan` before scheduling (how many proposals each decoding
 sequence may make: the scheduler reserves their KV slots), :meth:`propose` after it (the
 pinned proposer of each sequence fills ``ScheduledSeq.draft``), and :meth:`verify` on each
-drafted sequence's ``1 + len(draft)`` logits rows after the forward. The engine itself rolls
-the KV back (``Scheduler.rollback``) and appends the tokens.
+drafted sequence's ``1 + len(draft)`` logits rows after the forward: it accepts or rejects the
+proposals and rolls the sequence's KV back to the tokens it keeps (the engine appends them).
 
 Which requests speculate: every request by default while a proposer is set, except those with
 ``SamplingParams(speculative=False)``. A request that prunes its KV proposes at most
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...config import SpeculativeConfig, SpeculativeRequest
+from ..sampler import ProcessorError, apply_processors
 from ..sampling import sampling_probs
 from .acceptance import accept_greedy, accept_sampled
 from .adaptive import SpecState
@@ -31,7 +32,8 @@ from .proposer import DraftRequest, Proposer
 from .stats import SpecMetrics
 
 if TYPE_CHECKING:
-    from ..scheduler import ScheduledSeq
+    from ..kv_manager import KVManager
+    from ..step_plan import ScheduledSeq
     from ..sequence import Sequence
 
 
@@ -98,14 +100,25 @@ class SpeculativeDecoder:
                 it.draft_probs = d.probs[:len(it.draft)] if d.probs is not None else None
                 it.seq.spec.metrics.draft_s += dt  # a batched proposer call counts for each of its requests
 
-    def verify(self, item: "ScheduledSeq", logits: torch.Tensor, apply_processors) -> list[int] | None:
-        """Tokens to emit for a drafted sequence from its ``1 + len(draft)`` target logits rows, or
-        None when the logits are not finite (the caller recomputes the step)."""
+    def record_verify_time(self, items: list["ScheduledSeq"], seconds: float) -> None:
+        """A step's forward verified ``items``: it counts once in the totals and for each of them."""
+        self.totals.verify_s += seconds
+        for item in items:
+            item.seq.spec.metrics.verify_s += seconds
+
+    def verify(self, item: "ScheduledSeq", logits: torch.Tensor, kv: "KVManager") -> tuple[list[int] | None, str | None]:
+        """Tokens a drafted sequence emits from its ``1 + len(draft)`` target logits rows, after rolling
+        its KV back to them: ``(tokens, None)``. Non-finite logits undo the step (``(None, None)``: it
+        is recomputed next step), at most ``recompute_depth`` times in a row; then, or when a logits
+        processor raises, ``(None, error)``: the request fails alone."""
         seq, draft = item.seq, item.draft
         logits = logits.float()
         if not bool(torch.isfinite(logits).all()):
-            return None
-        logits = apply_processors(seq, draft, logits)
+            return None, self._recompute(item, kv)
+        try:
+            logits = apply_processors(seq, logits, draft)
+        except ProcessorError as e:
+            return None, str(e)
         if seq.params.greedy:
             tokens = accept_greedy(torch.argmax(logits, dim=-1).tolist(), draft)
         else:
@@ -115,7 +128,20 @@ class SpeculativeDecoder:
             m.record(len(draft), accepted, len(tokens))
         seq.spec.update(len(draft), accepted)
         seq.spec.recomputes_in_row = 0
-        return tokens
+        kv.rollback(seq, seq.num_computed + len(tokens) - 1)
+        return tokens, None
+
+    def _recompute(self, item: "ScheduledSeq", kv: "KVManager") -> str | None:
+        """Undo a verify step whose logits were not finite; the error once it happened too often in a row."""
+        seq = item.seq
+        kv.rollback(seq, seq.num_computed - item.num_tokens)
+        seq.spec.metrics.recomputes += 1
+        self.totals.recomputes += 1
+        seq.spec.recomputes_in_row += 1
+        if seq.spec.recomputes_in_row > self.config.recompute_depth:
+            return (f"verify logits were not finite (NaN/inf) in {seq.spec.recomputes_in_row} recomputes "
+                    "in a row; the model produces non-finite values for this input")
+        return None
 
     def release(self, seq: "Sequence") -> None:
         if seq.spec is not None:

@@ -22,7 +22,7 @@ import torch
 
 from ..kv_cache import BlockAllocator
 from ..sampling import sampling_probs
-from ..scheduler import ScheduledSeq
+from ..step_plan import ScheduledSeq
 from ..sequence import Sequence
 from .proposer import Draft, DraftRequest
 
@@ -128,6 +128,3 @@ class DraftModelProposer:
         if ds is not None and ds.block_table:
             self.allocator.free(ds.block_table)
             ds.block_table = []
-
-    def blocks_in_use(self) -> int:
-        return self.allocator.num_used

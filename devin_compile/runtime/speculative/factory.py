@@ -11,12 +11,15 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable
 
 import torch
 
-from .config import SpeculativeConfig
-from .runtime.speculative import DraftModelProposer, NgramProposer, Proposer
+from ...config import SpeculativeConfig
+from .draft_model import DraftModelProposer
+from .ngram import NgramProposer
+from .proposer import Proposer
 
 
 def layer_view(model: torch.nn.Module, keep: list[int]) -> torch.nn.Module:
@@ -79,3 +82,27 @@ def build_proposer(config: SpeculativeConfig, model: torch.nn.Module, tokenizer,
                          f"{target_vocab}; a draft must share the target's tokenizer")
     draft = compile(draft_model, tokenizer=tokenizer, **options)
     return DraftModelProposer(draft.engine.runner, name=name)
+
+
+class DraftBuilder:
+    """SpeculativeConfig → proposer for one target, at ``optimize()`` and for
+    ``OptimizedModel.set_draft``; ``compile`` is ``optimize``. It holds the target model only
+    weakly: the ``head`` and ``self-int4`` methods need it alive (or passed again as ``target=``);
+    ``ngram`` and ``draft`` do not."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, *, vocab_size: int, dtype: torch.dtype,
+                 compile: Callable[..., Any]) -> None:
+        self._target = weakref.ref(model)
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.dtype = dtype
+        self.compile = compile
+
+    def __call__(self, spec: SpeculativeConfig, target: torch.nn.Module | None = None) -> Proposer:
+        model = target if target is not None else self._target()
+        needs_target = spec.method == "head" or (spec.method == "draft" and isinstance(spec.model, str))
+        if needs_target and model is None:
+            raise ValueError(f"speculative method {spec.method!r} builds its draft from the target model, which "
+                             "is no longer alive; pass it again: set_draft(..., target=model)")
+        return build_proposer(spec, model, self.tokenizer, compile=self.compile, target_vocab=self.vocab_size,
+                              target_dtype=self.dtype)

@@ -1,4 +1,4 @@
-"""Cache CPython's freed arena blocks so calls across a frame-stack chunk boundary stay cheap.
+"""Reuse CPython's freed arena blocks so calls across a frame-stack chunk boundary stay cheap.
 
 CPython 3.11/3.12 map a fresh 16 KiB chunk for the frame stack whenever a call crosses the end
 of the current one, and unmap it when that call returns (python/cpython#142183, fixed in 3.13
@@ -8,7 +8,7 @@ and an munmap, which on a VM means a cross-core TLB shoot-down. Whether it happe
 the caller's stack depth, so the same model decoded at half speed under one benchmark script
 and at full speed under another (SmolLM2 INT4, eager: 21 vs 45 tok/s).
 
-:func:`install` puts the small C cache of ``py_arena_cache.c`` in front of the arena allocator
+:func:`install` puts the small C reuse pool of ``arena_reuse.c`` in front of the arena allocator
 (``PyObject_SetArenaAllocator``): up to 4 freed blocks of ≤ 1 MiB are kept and handed back to
 the next allocation of the same size; everything else goes to the previous allocator. The
 engine installs it once per process on CPython < 3.13. ``DEVIN_COMPILE_ARENA_CACHE=0`` turns
@@ -28,9 +28,9 @@ class _ArenaAllocator(ctypes.Structure):
     _fields_ = [("ctx", ctypes.c_void_p), ("alloc", ctypes.c_void_p), ("free", ctypes.c_void_p)]
 
 
-_KERNEL = CKernel("py_arena_cache.c", {
-    "devin_arena_cache_init": [ctypes.POINTER(_ArenaAllocator), ctypes.POINTER(_ArenaAllocator)],
-    "devin_arena_cache_stats": [ctypes.POINTER(ctypes.c_int64)],
+_KERNEL = CKernel("arena_reuse.c", {
+    "devin_arena_reuse_init": [ctypes.POINTER(_ArenaAllocator), ctypes.POINTER(_ArenaAllocator)],
+    "devin_arena_reuse_stats": [ctypes.POINTER(ctypes.c_int64)],
 })
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -43,7 +43,7 @@ def needed() -> bool:
 
 
 def install() -> bool:
-    """Install the cache once per process where :func:`needed`; True if it is in place."""
+    """Install the reuse pool once per process where :func:`needed`; True if it is in place."""
     with _lock:
         if "installed" in _state:
             return _state["installed"]
@@ -58,7 +58,7 @@ def install() -> bool:
                 api.PyObject_SetArenaAllocator.restype = None
                 prev, mine = _ArenaAllocator(), _ArenaAllocator()
                 api.PyObject_GetArenaAllocator(ctypes.byref(prev))
-                if lib.devin_arena_cache_init(ctypes.byref(prev), ctypes.byref(mine)) == 0:
+                if lib.devin_arena_reuse_init(ctypes.byref(prev), ctypes.byref(mine)) == 0:
                     api.PyObject_SetArenaAllocator(ctypes.byref(mine))
                 ok = True
         _state["installed"] = ok
@@ -66,10 +66,10 @@ def install() -> bool:
 
 
 def stats() -> dict[str, int]:
-    """Allocations served from the cache (``hits``), passed on (``misses``), frees passed on."""
+    """Allocations served from the pool (``hits``), passed on (``misses``), frees passed on."""
     lib = _KERNEL.load() if _state.get("installed") else None
     if lib is None:
         return {"hits": 0, "misses": 0, "released": 0}
     out = (ctypes.c_int64 * 3)()
-    lib.devin_arena_cache_stats(out)
+    lib.devin_arena_reuse_stats(out)
     return {"hits": out[0], "misses": out[1], "released": out[2]}

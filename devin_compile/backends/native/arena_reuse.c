@@ -1,4 +1,4 @@
-/* A small cache in front of CPython's arena allocator (PyObject_SetArenaAllocator).
+/* A small reuse pool in front of CPython's arena allocator (PyObject_SetArenaAllocator).
  *
  * Why: CPython 3.11 and 3.12 keep each thread's frames in 16 KiB "data stack chunks" that come
  * from the arena allocator (mmap) and go back to it (munmap) as soon as the first frame in a
@@ -9,12 +9,13 @@
  * on SmolLM2's eager INT4 decode graph: 40% of the main thread's time, half the speed.
  *
  * What: freed blocks of up to CACHE_MAX_BYTES go into CACHE_SLOTS slots instead of back to the
- * previous allocator; an allocation of exactly a cached size takes one. Everything else goes to
+ * previous allocator (when all are taken, the block freed longest ago goes back to make room); an
+ * allocation of exactly a cached size takes one. Everything else goes to
  * the previous allocator unchanged. CPython calls these with the GIL held (3.11/3.12 have no
  * free-threaded build), so the slots need no lock. No memory is returned zeroed, as with the
  * allocator's malloc fallback, so CPython does not rely on it.
  *
- * Built by backends/native/build.py; installed by runtime/py_arena_cache.py. */
+ * Built by backends/native/build.py; installed by runtime/arena_reuse.py. */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -32,6 +33,7 @@ static arena_allocator previous;
 static void *slot_ptr[CACHE_SLOTS];
 static size_t slot_size[CACHE_SLOTS];
 static int64_t hits, misses, released;
+static int next_victim;
 
 static void *cache_alloc(void *ctx, size_t size) {
     (void)ctx;
@@ -49,22 +51,28 @@ static void *cache_alloc(void *ctx, size_t size) {
 
 static void cache_free(void *ctx, void *ptr, size_t size) {
     (void)ctx;
-    if (ptr != NULL && size <= CACHE_MAX_BYTES) {
-        for (int i = 0; i < CACHE_SLOTS; i++) {
-            if (slot_ptr[i] == NULL) {
-                slot_ptr[i] = ptr;
-                slot_size[i] = size;
-                return;
-            }
-        }
+    if (ptr == NULL || size > CACHE_MAX_BYTES) {
+        released++;
+        previous.free(previous.ctx, ptr, size);
+        return;
     }
-    released++;
-    previous.free(previous.ctx, ptr, size);
+    int i = 0;
+    while (i < CACHE_SLOTS && slot_ptr[i] != NULL) i++;
+    if (i == CACHE_SLOTS) {
+        /* every slot taken: the block freed longest ago goes back, so blocks of a size that is
+         * never asked for again cannot keep the churning size out */
+        i = next_victim;
+        next_victim = (next_victim + 1) % CACHE_SLOTS;
+        released++;
+        previous.free(previous.ctx, slot_ptr[i], slot_size[i]);
+    }
+    slot_ptr[i] = ptr;
+    slot_size[i] = size;
 }
 
 /* Remember the allocator in use (*prev) and fill *mine with the caching one, for the caller to
  * install. Returns 1 if a cache was already set up (nothing changed), else 0. */
-int devin_arena_cache_init(const arena_allocator *prev, arena_allocator *mine) {
+int devin_arena_reuse_init(const arena_allocator *prev, arena_allocator *mine) {
     if (previous.alloc != NULL) return 1;
     previous = *prev;
     mine->ctx = NULL;
@@ -74,7 +82,7 @@ int devin_arena_cache_init(const arena_allocator *prev, arena_allocator *mine) {
 }
 
 /* out[0..2] = allocations served from the cache, allocations passed on, frees passed on. */
-int devin_arena_cache_stats(int64_t *out) {
+int devin_arena_reuse_stats(int64_t *out) {
     out[0] = hits;
     out[1] = misses;
     out[2] = released;
