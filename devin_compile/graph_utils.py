@@ -1,6 +1,7 @@
 """The FX helpers passes share (the one module for them: a pass imports no other pass).
 
 - reading a graph: :func:`fake_value`, :func:`node_shape`, :func:`has_shape`, :func:`is_call`, :func:`has_call`,
+  :func:`commuted`,
   :func:`param_of`, :func:`linear_bias`, :func:`is_logits_linear`, :func:`cpu_linears`,
   :func:`grouped_mm_fallback_op`, :func:`is_expert_transpose`, :func:`transposed_expert_weight`;
 - writing it: :func:`add_call` (a node with its fake value), :func:`add_constant` (a tensor the
@@ -86,6 +87,14 @@ def describe_value(v: Any) -> str:
 
 def is_call(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def commuted(node: Any, *targets: Any) -> tuple[tuple, ...]:
+    """Both operand orders, ``(a, b)`` and ``(b, a)``, of a two-argument call of one of ``targets``
+    (``()`` for any other node): for matching commutative ops such as ``add`` and ``mul``."""
+    if not is_call(node, *targets) or len(node.args) != 2:
+        return ()
+    return tuple(node.args), tuple(node.args[::-1])
 
 
 def has_call(gms: Iterable[torch.fx.GraphModule], target: Any) -> bool:

@@ -26,8 +26,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import (RESHAPES, add_call, counted_nodes, eliminate_dead_code, fake_value, has_shape, is_call,
-                           node_delta, transpose_dims)
+from ..graph_utils import (RESHAPES, add_call, commuted, counted_nodes, eliminate_dead_code, fake_value, has_shape,
+                           is_call, node_delta, transpose_dims)
 from ..ops import rotary_heads as rotary_heads_op  # registers devin::rotary_heads
 from ..pipeline import Pass, PassContext, PassResult
 
@@ -56,12 +56,12 @@ def _heads(x) -> tuple[torch.fx.Node, int] | None:
 
 def _rotary(r) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """x * cos + roll(x, D/2, -1) * sin → (x, cos, sin)."""
-    if not is_call(r, aten.add.Tensor) or len(r.args) != 2 or r.kwargs:
+    if not isinstance(r, torch.fx.Node) or r.kwargs:
         return None
-    for m1, m2 in (r.args, r.args[::-1]):
-        if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
+    for m1, m2 in commuted(r, aten.add.Tensor):
+        if not is_call(m1, aten.mul.Tensor):
             continue
-        for roll, sin in (m2.args, m2.args[::-1]):
+        for roll, sin in commuted(m2, aten.mul.Tensor):
             if not is_call(roll, aten.roll.default) or not isinstance(sin, torch.fx.Node):
                 continue
             x = roll.args[0]

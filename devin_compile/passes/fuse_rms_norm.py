@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, each_match, fake_value, is_call, replace_matches
+from ..graph_utils import add_call, commuted, each_match, fake_value, is_call, replace_matches
 from ..ops import rms_norm as rms_norm_op  # registers devin::rms_norm
 from ..pipeline import Pass, PassContext, PassResult
 
@@ -33,9 +33,7 @@ def _strip_cast(n):
 
 def _match(mul_w: torch.fx.Node):
     """mul(w, normed) or mul(normed, w) → (x, w, eps) or None."""
-    if not is_call(mul_w, aten.mul.Tensor):
-        return None
-    for w, normed in (mul_w.args, mul_w.args[::-1]):
+    for w, normed in commuted(mul_w, aten.mul.Tensor):
         if not (isinstance(w, torch.fx.Node) and w.op == "get_attr"):
             continue
         n = _strip_cast(normed)

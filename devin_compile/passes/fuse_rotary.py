@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, fake_value, is_call, replace_matches
+from ..graph_utils import add_call, commuted, fake_value, is_call, replace_matches
 from ..pipeline import Pass, PassContext, PassResult
 
 aten = torch.ops.aten
@@ -58,12 +58,10 @@ def _rotate_half_of(node) -> torch.fx.Node | None:
 
 def _match(add: torch.fx.Node):
     """add(mul(x, cos), mul(rotate_half(x), sin)) → (x, cos_mul, rot_mul, sin)."""
-    if not is_call(add, aten.add.Tensor) or len(add.args) != 2:
-        return None
-    for m1, m2 in (add.args, add.args[::-1]):
-        if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
+    for m1, m2 in commuted(add, aten.add.Tensor):
+        if not is_call(m1, aten.mul.Tensor):
             continue
-        for rot, sin in (m2.args, m2.args[::-1]):
+        for rot, sin in commuted(m2, aten.mul.Tensor):
             x = _rotate_half_of(rot) if isinstance(rot, torch.fx.Node) else None
             if x is not None and x in m1.args and isinstance(sin, torch.fx.Node):
                 return x, m1, m2, rot, sin

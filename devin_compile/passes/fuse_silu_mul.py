@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, each_match, fake_value, is_call, replace_matches
+from ..graph_utils import add_call, commuted, each_match, fake_value, is_call, replace_matches
 from ..ops import silu_mul as silu_mul_op  # registers devin::silu_mul
 from ..pipeline import Pass, PassContext, PassResult
 
@@ -42,9 +42,7 @@ def _half(node, index: int):
 
 def _match(mul: torch.fx.Node):
     """mul(silu(split[0]), split[1]) (either order) → the split's input, when the split has no other users."""
-    if not is_call(mul, aten.mul.Tensor) or len(mul.args) != 2:
-        return None
-    for act, up in (mul.args, mul.args[::-1]):
+    for act, up in commuted(mul, aten.mul.Tensor):
         if not is_call(act, aten.silu.default) or len(act.users) != 1:
             continue
         split = _half(act.args[0], 0)
