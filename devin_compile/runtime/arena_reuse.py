@@ -9,8 +9,10 @@ the caller's stack depth, so the same model decoded at half speed under one benc
 and at full speed under another (SmolLM2 INT4, eager: 21 vs 45 tok/s).
 
 :func:`install` puts the small C reuse pool of ``arena_reuse.c`` in front of the arena allocator
-(``PyObject_SetArenaAllocator``): up to 4 freed blocks of ≤ 1 MiB are kept and handed back to
-the next allocation of the same size; everything else goes to the previous allocator. The
+(``PyObject_SetArenaAllocator``): up to 4 freed frame-stack chunks (< 1 MiB) and 4 freed pymalloc
+arenas (1 MiB) are kept, each class in its own slots (the one freed longest ago goes back when they
+are full), and handed back to the next allocation of the same size; everything else goes to the
+previous allocator. The
 engine installs it once per process on CPython < 3.13. ``DEVIN_COMPILE_ARENA_CACHE=0`` turns
 it off; without a C compiler it is skipped (logged).
 """

@@ -8,9 +8,9 @@
  * cores (an IPI), which costs tens of microseconds while torch's OpenMP threads run there. Measured
  * on SmolLM2's eager INT4 decode graph: 40% of the main thread's time, half the speed.
  *
- * What: freed blocks of up to CACHE_MAX_BYTES go into CACHE_SLOTS slots instead of back to the
- * previous allocator (when all are taken, the block freed longest ago goes back to make room); an
- * allocation of exactly a cached size takes one. Everything else goes to
+ * What: freed blocks of up to CACHE_MAX_BYTES go into CACHE_SLOTS slots of their class (stack
+ * chunks, arenas) instead of back to the previous allocator (when all are taken, the block of that
+ * class freed longest ago goes back to make room); an allocation of exactly a cached size takes one. Everything else goes to
  * the previous allocator unchanged. CPython calls these with the GIL held (3.11/3.12 have no
  * free-threaded build), so the slots need no lock. No memory is returned zeroed, as with the
  * allocator's malloc fallback, so CPython does not rely on it.
@@ -26,21 +26,26 @@ typedef struct {
     void (*free)(void *ctx, void *ptr, size_t size);
 } arena_allocator;
 
-#define CACHE_SLOTS 4
+#define CACHE_SLOTS 4 /* per class */
 #define CACHE_MAX_BYTES ((size_t)1 << 20) /* pymalloc's arenas are 1 MiB; stack chunks 16 KiB+ */
 
+/* Two classes of slots, so that neither kind of block can crowd the other out: frame-stack
+ * chunks (< 1 MiB) and pymalloc arenas (1 MiB). */
 static arena_allocator previous;
-static void *slot_ptr[CACHE_SLOTS];
-static size_t slot_size[CACHE_SLOTS];
+static void *slot_ptr[2][CACHE_SLOTS];
+static size_t slot_size[2][CACHE_SLOTS];
+static int next_victim[2];
 static int64_t hits, misses, released;
-static int next_victim;
+
+static int size_class(size_t size) { return size >= CACHE_MAX_BYTES ? 1 : 0; }
 
 static void *cache_alloc(void *ctx, size_t size) {
     (void)ctx;
+    int c = size_class(size);
     for (int i = 0; i < CACHE_SLOTS; i++) {
-        if (slot_ptr[i] != NULL && slot_size[i] == size) {
-            void *p = slot_ptr[i];
-            slot_ptr[i] = NULL;
+        if (slot_ptr[c][i] != NULL && slot_size[c][i] == size) {
+            void *p = slot_ptr[c][i];
+            slot_ptr[c][i] = NULL;
             hits++;
             return p;
         }
@@ -56,18 +61,19 @@ static void cache_free(void *ctx, void *ptr, size_t size) {
         previous.free(previous.ctx, ptr, size);
         return;
     }
+    int c = size_class(size);
     int i = 0;
-    while (i < CACHE_SLOTS && slot_ptr[i] != NULL) i++;
+    while (i < CACHE_SLOTS && slot_ptr[c][i] != NULL) i++;
     if (i == CACHE_SLOTS) {
-        /* every slot taken: the block freed longest ago goes back, so blocks of a size that is
-         * never asked for again cannot keep the churning size out */
-        i = next_victim;
-        next_victim = (next_victim + 1) % CACHE_SLOTS;
+        /* the class's slots are all taken: the block freed longest ago goes back, so blocks of
+         * a size that is never asked for again cannot keep the churning size out */
+        i = next_victim[c];
+        next_victim[c] = (next_victim[c] + 1) % CACHE_SLOTS;
         released++;
-        previous.free(previous.ctx, slot_ptr[i], slot_size[i]);
+        previous.free(previous.ctx, slot_ptr[c][i], slot_size[c][i]);
     }
-    slot_ptr[i] = ptr;
-    slot_size[i] = size;
+    slot_ptr[c][i] = ptr;
+    slot_size[c][i] = size;
 }
 
 /* Remember the allocator in use (*prev) and fill *mine with the caching one, for the caller to
