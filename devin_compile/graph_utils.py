@@ -161,9 +161,19 @@ def param_of(gm: torch.fx.GraphModule, node: Any) -> torch.Tensor | None:
 
 
 def fake_like(reference_node: torch.fx.Node, tensor: torch.Tensor) -> Any:
-    """A fake tensor for ``tensor`` in the fake mode of ``reference_node``'s value (None without one)."""
-    mode = getattr(reference_node.meta.get("val"), "fake_mode", None)
-    return mode.from_tensor(tensor) if mode is not None else None
+    """A fake tensor for ``tensor`` in the fake mode of ``reference_node``'s value (None without one),
+    made the way export made the reference: a static shape (a mode with a shape environment would
+    otherwise give it fresh symbolic sizes) and, for a float tensor, the reference's
+    ``requires_grad`` (torch < 2.12 computes ``aten.linear`` on symbolic activations only through
+    the autograd path that a lifted parameter takes; a plain fake weight there fails)."""
+    ref = reference_node.meta.get("val")
+    mode = getattr(ref, "fake_mode", None)
+    if mode is None:
+        return None
+    fake = mode.from_tensor(tensor, static_shapes=True)
+    if ref.requires_grad and fake.is_floating_point():
+        fake.requires_grad_(True)
+    return fake
 
 
 def add_constant(gm: torch.fx.GraphModule, name: str, tensor: torch.Tensor, val: Any = None, *,

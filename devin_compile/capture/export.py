@@ -57,20 +57,15 @@ def capture(model: torch.nn.Module, *, example_len: int = 8, info: ModelInfo | N
     emit_before = getattr(torch.fx.config, "do_not_emit_stack_traces", None)  # None: this torch has no switch
     if emit_before is not None:
         torch.fx.config.do_not_emit_stack_traces = not stack_traces
-    def export(tokens):
-        with TRACE_LOCK, torch.no_grad():
-            return torch.export.export(FlatTokensLM(model), (ids, pos, idx),
-                                       dynamic_shapes=({1: tokens}, {1: tokens}, {0: N}), strict=False)
-
     try:
-        try:
-            ep = export(T)
-        except Exception as e:  # noqa: BLE001
-            # A graph valid only up to the model's length (MPT slices a max_seq_len-long ALiBi table,
-            # which guards num_tokens <= max_seq_len): export again with that bound on the token count.
-            if "Constraints violated" not in str(e) or info.max_model_len < 2:
-                raise
-            ep = export(torch.export.Dim("num_tokens", min=2, max=info.max_model_len))
+        # Guards on num_tokens that this torch cannot prove become runtime asserts in the graph
+        # instead of failing the export. torch 2.11 cannot prove Min(16*T, 32*T) == 16*T (a reshape
+        # of GQA's expanded K/V); MPT's sliced ALiBi table asserts T <= max_seq_len. An assert
+        # that does not hold fails the step loudly; a specialisation (T fixed) still fails here.
+        with TRACE_LOCK, torch.no_grad():
+            ep = torch.export.export(FlatTokensLM(model), (ids, pos, idx),
+                                     dynamic_shapes=({1: T}, {1: T}, {0: N}), strict=False,
+                                     prefer_deferred_runtime_asserts_over_guards=True)
     except Exception as e:  # noqa: BLE001  (any capture failure becomes one clear error)
         msg = str(e).strip().splitlines()
         first = msg[0] if msg else type(e).__name__
