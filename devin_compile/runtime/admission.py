@@ -30,6 +30,11 @@ class RequestRejected(ValueError):
         return RequestRejected(f"{prefix}{self}", self.param)
 
 
+def check_params_type(params: object) -> None:
+    if not isinstance(params, SamplingParams):
+        raise RequestRejected(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+
+
 @dataclass
 class AdmittedRequest:
     """A request that passed: its token ids and its resolved KV-pruning setting."""
@@ -56,8 +61,7 @@ class AdmissionCheck:
     def check(self, prompt: str | Seq[int] | torch.Tensor, params: SamplingParams, *,
               can_speculate: bool) -> AdmittedRequest:
         """The whole check: ``params``, the prompt's tokens, then :meth:`check_ids`."""
-        if not isinstance(params, SamplingParams):
-            raise RequestRejected(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+        check_params_type(params)
         ids = self.encode(prompt)
         return AdmittedRequest(ids, self.check_ids(ids, params, can_speculate=can_speculate))
 

@@ -22,7 +22,7 @@ import torch
 
 from ..config import KVPruneConfig, SchedulerConfig
 from . import arena_reuse
-from .admission import AdmissionCheck, AdmittedRequest, RequestRejected
+from .admission import AdmissionCheck, AdmittedRequest, RequestRejected, check_params_type
 from .engine_metrics import EngineMetrics, slot_usage
 from .kv_manager import KVManager
 from .kv_prune import KVPruner
@@ -86,8 +86,7 @@ class Engine:
         """Queue a request; raises :class:`RequestRejected` (a ``ValueError`` naming the input at
         fault) and changes nothing if it is invalid."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestRejected(f"params must be a SamplingParams, got {type(params).__name__}", "params")
+        check_params_type(params)
         ids = self.admission.encode(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests and not self.requests[rid].status.done:
