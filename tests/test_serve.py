@@ -375,3 +375,39 @@ def test_serve_cli_kv_cache_tier_flags():
     args = p.parse_args(["--kv-cache-host-bytes", "1048576", "--kv-cache-redis", "redis://127.0.0.1:6379/0"])
     tiers = serve_cli.optimize_options(args)["kv_cache_tiers"]
     assert [t["backend"] if isinstance(t, dict) else t.backend for t in tiers] == ["host_lru", "redis"]
+
+
+# ---------------------------------------------------------------- /tokenize and /detokenize (vLLM's shapes)
+def test_tokenize_and_detokenize_match_the_tokenizer_and_what_generation_uses(refs, server):
+    tok = refs.opt.tokenizer
+    text = "Once upon a time" + REPLAY
+    code, _, body = post(server, "/tokenize", {"model": MODEL, "prompt": text, "add_special_tokens": False,
+                                               "return_token_strs": True})
+    assert code == 200, body
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert body == {"count": len(ids), "max_model_len": refs.opt.engine.max_model_len, "tokens": ids,
+                    "token_strs": tok.convert_ids_to_tokens(ids)}
+    code, _, body = post(server, "/tokenize", {"prompt": text})  # model is optional; special tokens by default
+    assert code == 200 and body["tokens"] == tok(text)["input_ids"] and body["token_strs"] is None
+    code, _, chat = post(server, "/tokenize", {"messages": CHAT})  # what /v1/chat/completions would run
+    assert code == 200 and chat["tokens"] == refs.opt.chat_ids(CHAT)
+    code, _, open_turn = post(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert code == 200 and open_turn["count"] < chat["count"] and chat["tokens"][:open_turn["count"]] == open_turn["tokens"]
+    code, _, back = post(server, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert code == 200 and back == {"prompt": tok.decode(ids)} and back["prompt"] == text
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": "x", "stream": True}, 400, "stream"),
+    ("/tokenize", {"messages": "hi"}, 400, "messages"),
+    ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [99_999_999]}, 400, "tokens"),
+])
+def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(server, path, body, status, param):
+    code, _, err = post(server, path, body)
+    assert code == status and err["error"]["param"] == param and err["error"]["message"], err
+    assert requests_with(server, status) >= 1

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app (Starlette): ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/health``, ``/metrics``.
+``/v1/models``, vLLM's ``/tokenize`` and ``/detokenize`` (:mod:`.tokenizer_endpoints`), ``/health``, ``/metrics``.
 
 :class:`Server` owns an :class:`~devin_compile.runtime.async_engine.AsyncEngine` over an
 ``OptimizedModel``'s engine (started and closed by the app's lifespan). A request is parsed
@@ -36,6 +36,7 @@ from .generation import Choice, Generation
 from ..text.logprob_format import LogprobFormatter
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import APIError, GenerationRequest, bad, parse_json, parse_request
+from .tokenizer_endpoints import detokenize, tokenize
 from ..text.chat_template import chat_prompt_ids
 
 
@@ -65,6 +66,8 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
@@ -82,6 +85,24 @@ class Server:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "devin-compile",
             "max_model_len": self.opt.engine.max_model_len}]})
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._text_endpoint(request, "tokenize", lambda body: tokenize(
+            body, self.tokenizer, self.model_name, self.opt.engine.max_model_len))
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._text_endpoint(request, "detokenize",
+                                         lambda body: detokenize(body, self.tokenizer, self.model_name))
+
+    async def _text_endpoint(self, request: Request, endpoint: str, answer) -> Response:
+        """A tokenizer-only endpoint (no engine work): parse, answer, count it in the metrics."""
+        try:
+            body = answer(parse_json(await request.body()))
+        except APIError as e:
+            self._done(endpoint, e.status, None, None)
+            return error_response(e)
+        self._done(endpoint, 200, None, None)
+        return JSONResponse(body)
 
     async def health(self, request: Request) -> Response:
         if self.engine.error is not None:

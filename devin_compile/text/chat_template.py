@@ -36,17 +36,32 @@ def normalize_messages(messages) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
-    """Token ids of ``messages`` under the tokenizer's chat template, ending with the assistant's turn."""
+def _check_template(tokenizer) -> None:
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer: pass tokenizer= to optimize()")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt (generate, "
                          "stream_text, or /v1/completions) instead")
-    ids = tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=True, tokenize=True,
+
+
+def chat_prompt_ids(tokenizer, messages, *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template, ending with the assistant's turn
+    (``add_generation_prompt``), or leaving the last message open (``continue_final_message``)."""
+    _check_template(tokenizer)
+    ids = tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, tokenize=True,
                                         return_dict=False)
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     if ids and isinstance(ids[0], list):
         ids = ids[0]
     return [int(t) for t in ids]
+
+
+def chat_prompt_text(tokenizer, messages, *, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> str:
+    """The text the chat template renders for ``messages`` (what :func:`chat_prompt_ids` tokenizes)."""
+    _check_template(tokenizer)
+    return tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tokenize=False)

@@ -1,0 +1,78 @@
+"""``/tokenize`` and ``/detokenize`` in vLLM's shapes, for clients that count or check tokens.
+
+- ``POST /tokenize`` with ``{"prompt": str, "add_special_tokens": true}`` or with
+  ``{"messages": [...], "add_generation_prompt": true, "continue_final_message": false,
+  "add_special_tokens": false}`` (the tokenizer's chat template), and ``"return_token_strs"``
+  → ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``: the tokenizer's token
+  strings, or null unless asked for).
+- ``POST /detokenize`` with ``{"tokens": [ids]}`` → ``{"prompt": text}``.
+
+``model`` is optional in both, as in vLLM; when given it must name the served model (else 404).
+Every field is checked by name (a 400 naming it), as the generation endpoints do.
+"""
+from __future__ import annotations
+
+from ..text.chat_template import chat_prompt_ids, chat_prompt_text
+from .protocol import APIError, bad
+
+_TOKENIZE_PROMPT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                  "return_token_strs"}
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise bad(name, f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _check_fields(body: dict, allowed: set[str], what: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(unknown[0], f"{what} does not take {unknown[0]!r}; it takes {sorted(allowed)}")
+
+
+def _check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served}` (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def tokenize(body: dict, tokenizer, served: str, max_model_len: int) -> dict:
+    """The ``/tokenize`` answer for a parsed JSON ``body``."""
+    chat = "messages" in body
+    _check_fields(body, _TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT, "/tokenize with " +
+                  ("messages" if chat else "a prompt"))
+    _check_model(body, served)
+    if chat:  # the template's text, tokenized with or without the tokenizer's special tokens
+        template = dict(add_generation_prompt=_flag(body, "add_generation_prompt", True),
+                        continue_final_message=_flag(body, "continue_final_message", False))
+        special = _flag(body, "add_special_tokens", False)
+        try:
+            if special:
+                ids = tokenizer(chat_prompt_text(tokenizer, body["messages"], **template))["input_ids"]
+            else:
+                ids = chat_prompt_ids(tokenizer, body["messages"], **template)
+        except ValueError as e:
+            raise bad("messages", str(e)) from None
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("prompt", f"prompt must be a string (or send messages), got {type(prompt).__name__}")
+        ids = tokenizer(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))["input_ids"]
+    strs = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body: dict, tokenizer, served: str) -> dict:
+    """The ``/detokenize`` answer for a parsed JSON ``body``."""
+    _check_fields(body, {"model", "tokens"}, "/detokenize")
+    _check_model(body, served)
+    tokens = body.get("tokens")
+    vocab = len(tokenizer)
+    if (not isinstance(tokens, list)
+            or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in tokens)):
+        raise bad("tokens", f"tokens must be a list of token ids in [0, {vocab})")
+    return {"prompt": tokenizer.decode(tokens)}
