@@ -146,8 +146,9 @@ class Engine:
             self.spec.propose(plan.scheduled)
         logits, owners, prune_step, forward_s = self._forward(plan.scheduled)
         emitted = self._sample(plan.scheduled, logits, owners, prune_step, forward_s)
-        tokens = sum(len(e.tokens) for e in emitted if e.tokens) if plan.is_decode else plan.num_tokens
-        self.metrics.record_step(plan.is_decode, time.perf_counter() - t0, tokens, self._slot_usage)
+        decode = plan.is_decode
+        tokens = sum(len(e.tokens) for e in emitted if e.tokens) if decode else plan.num_tokens
+        self.metrics.record_step(decode, time.perf_counter() - t0, tokens, self._slot_usage)
         outputs += self.outputs.process(emitted)
         for e in emitted:
             if e.drafted and e.tokens:

@@ -35,7 +35,7 @@ from ..text.detokenizer import TextStream
 from .generation import Choice, Generation
 from ..text.logprob_format import LogprobFormatter
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import APIError, GenerationRequest, bad, parse_json, parse_request
+from .protocol import APIError, GenerationRequest, bad, check_model, parse_json, parse_request
 from .tokenizer_endpoints import detokenize, tokenize
 from ..text.chat_template import chat_prompt_ids
 
@@ -142,9 +142,7 @@ class Server:
             req = parse_request(parse_json(raw), chat)
             if self.tracing is not None:
                 span = self.tracing.start(request.headers, req, chat, self.model_name, received)
-            if req.model != self.model_name:
-                raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
-                                    f"`{self.model_name}` (GET /v1/models)", param="model", code="model_not_found")
+            check_model(req.model, self.model_name)
             choices = self._choices(req, chat)
             if self.max_queue is not None and self.queued + len(choices) > self.max_queue:
                 raise APIError(429, f"the server's queue is full ({self.queued} requests waiting, --max-queue "

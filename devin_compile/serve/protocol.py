@@ -80,7 +80,14 @@ def _opt_num(body: dict, name: str, default: float, lo: float, hi: float, lo_ope
     return float(v)
 
 
-def _opt_bool(body: dict, name: str, default: bool) -> bool:
+def check_model(model: str | None, served: str) -> None:
+    """404 as OpenAI answers it unless ``model`` (None: not given) is the served one."""
+    if model is not None and model != served:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served}` (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def opt_bool(body: dict, name: str, default: bool) -> bool:
     v = body.get(name)
     if v is None:
         return default
@@ -175,7 +182,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     """Completions ``logprobs: k``; chat ``logprobs: true`` (+ ``top_logprobs: k``) → k, or None."""
     if not chat:
         return _opt_int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    on = _opt_bool(body, "logprobs", False)
+    on = opt_bool(body, "logprobs", False)
     top = _opt_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not on:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
@@ -225,7 +232,7 @@ def parse_request(body: dict, chat: bool) -> GenerationRequest:
     so = body.get("stream_options")
     if so is not None and not (isinstance(so, dict) and isinstance(so.get("include_usage", False), bool)):
         raise bad("stream_options", "stream_options must be an object like {'include_usage': true}")
-    stream = _opt_bool(body, "stream", False)
+    stream = opt_bool(body, "stream", False)
     if so is not None and not stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
     kv_prune = _kv_prune(body)
@@ -240,7 +247,7 @@ def parse_request(body: dict, chat: bool) -> GenerationRequest:
         temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0), top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, True),
         top_k=_opt_int(body, "top_k", 0, -1), seed=seed, stop=_stop(body), n=_opt_int(body, "n", 1, 1, MAX_N),
         stream=stream, include_usage=bool(so and so.get("include_usage")),
-        ignore_eos=_opt_bool(body, "ignore_eos", False), kv_prune=kv_prune, speculative=_speculative(body),
+        ignore_eos=opt_bool(body, "ignore_eos", False), kv_prune=kv_prune, speculative=_speculative(body),
         logprobs=_logprobs(body, chat), timeout=None if timeout is None else float(timeout))
     req.top_k = max(req.top_k, 0)  # vLLM's -1 (off) is 0 here
     return req

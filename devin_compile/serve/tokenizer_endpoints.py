@@ -13,18 +13,11 @@ Every field is checked by name (a 400 naming it), as the generation endpoints do
 from __future__ import annotations
 
 from ..text.chat_template import chat_prompt_ids, chat_prompt_text
-from .protocol import APIError, bad
+from .protocol import bad, check_model, opt_bool
 
 _TOKENIZE_PROMPT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 _TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
                   "return_token_strs"}
-
-
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise bad(name, f"{name} must be true or false, got {value!r}")
-    return value
 
 
 def _check_fields(body: dict, allowed: set[str], what: str) -> None:
@@ -33,23 +26,16 @@ def _check_fields(body: dict, allowed: set[str], what: str) -> None:
         raise bad(unknown[0], f"{what} does not take {unknown[0]!r}; it takes {sorted(allowed)}")
 
 
-def _check_model(body: dict, served: str) -> None:
-    model = body.get("model")
-    if model is not None and model != served:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{served}` (GET /v1/models)",
-                       param="model", code="model_not_found")
-
-
 def tokenize(body: dict, tokenizer, served: str, max_model_len: int) -> dict:
     """The ``/tokenize`` answer for a parsed JSON ``body``."""
     chat = "messages" in body
     _check_fields(body, _TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT, "/tokenize with " +
                   ("messages" if chat else "a prompt"))
-    _check_model(body, served)
+    check_model(body.get("model"), served)
     if chat:  # the template's text, tokenized with or without the tokenizer's special tokens
-        template = dict(add_generation_prompt=_flag(body, "add_generation_prompt", True),
-                        continue_final_message=_flag(body, "continue_final_message", False))
-        special = _flag(body, "add_special_tokens", False)
+        template = dict(add_generation_prompt=opt_bool(body, "add_generation_prompt", True),
+                        continue_final_message=opt_bool(body, "continue_final_message", False))
+        special = opt_bool(body, "add_special_tokens", False)
         try:
             if special:
                 ids = tokenizer(chat_prompt_text(tokenizer, body["messages"], **template))["input_ids"]
@@ -61,15 +47,15 @@ def tokenize(body: dict, tokenizer, served: str, max_model_len: int) -> dict:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise bad("prompt", f"prompt must be a string (or send messages), got {type(prompt).__name__}")
-        ids = tokenizer(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))["input_ids"]
-    strs = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
+        ids = tokenizer(prompt, add_special_tokens=opt_bool(body, "add_special_tokens", True))["input_ids"]
+    strs = tokenizer.convert_ids_to_tokens(ids) if opt_bool(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(body: dict, tokenizer, served: str) -> dict:
     """The ``/detokenize`` answer for a parsed JSON ``body``."""
     _check_fields(body, {"model", "tokens"}, "/detokenize")
-    _check_model(body, served)
+    check_model(body.get("model"), served)
     tokens = body.get("tokens")
     vocab = len(tokenizer)
     if (not isinstance(tokens, list)
