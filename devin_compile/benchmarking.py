@@ -41,14 +41,16 @@ def hf_peer_dtype(model) -> tuple[torch.dtype, str]:
 
 
 def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int = 3,
-                   name: str = "HF eager") -> DecodeTiming:
-    """HF eager ``generate`` (greedy, exactly ``new_tokens``, EOS ignored), batch 1."""
+                   name: str = "HF eager", **generate_kw) -> DecodeTiming:
+    """HF eager ``generate`` (greedy, exactly ``new_tokens``, EOS ignored), batch 1. ``generate_kw``
+    go to ``generate`` (e.g. ``cache_implementation="static"``: on CUDA, transformers then compiles
+    the decoding forward with ``mode="reduce-overhead"``, the gpt-fast recipe)."""
     arena_reuse.install()
     ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
     # EOS ignored the way devin-compile's ignore_eos does it: eos_token_id=None makes EOS an
     # ordinary token (min_new_tokens alone would forbid it and so change the greedy picks).
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=pad)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=pad, **generate_kw)
     rates, ttfts, out = [], [], None
     with torch.inference_mode():
         # warm-up: one full-length run, excluded (as for devin-compile below)

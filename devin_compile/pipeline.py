@@ -47,6 +47,9 @@ class Program:
     # Static-shape decode callables by bucket (set by a pass that compiles or captures them);
     # when present, the runtime pads decode batches up to their bucket and calls these.
     decode_callables: dict[int, Callable] = field(default_factory=dict)
+    # Buckets whose decode steps the runtime captures as CUDA Graphs (set by wrap_cuda_graphs,
+    # which checked that every node of the decode graph is capture-safe).
+    cuda_graph_buckets: tuple[int, ...] = ()
 
     def node_count(self) -> int:
         return sum(count_nodes(g) for g in self.graphs.values())

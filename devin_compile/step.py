@@ -175,6 +175,14 @@ def decode_bucket(batch: int, buckets: tuple[int, ...]) -> int | None:
     return None
 
 
+def reachable_buckets(buckets: tuple[int, ...], max_rows: int) -> tuple[int, ...]:
+    """The decode buckets a step of at most ``max_rows`` rows can use: those below it and the first
+    one at or above it (what ahead-compiled and captured decode steps are built for)."""
+    below = [b for b in buckets if b < max_rows]
+    above = [b for b in buckets if b >= max_rows]
+    return tuple(below + above[:1])
+
+
 def current_context() -> StepContext:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:

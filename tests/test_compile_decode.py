@@ -16,7 +16,7 @@ def compiled(model):  # noqa: F811
 def test_callables_per_bucket_and_report(compiled):
     prog = compiled.program
     assert sorted(prog.decode_callables) == [1, 2, 4]
-    assert compiled.engine.runner.pad_decode
+    assert compiled.engine.runner.decode_graphs.mode == "callables"
     row = next(line for line in compiled.report().splitlines() if "| compile_decode |" in line)
     assert "| ran |" in row and "buckets [1, 2, 4]" in row
     assert "decode graph left dense" in compiled.report()

@@ -15,7 +15,7 @@ from devin_compile.config import OptimizeConfig, PassOptions
 from devin_compile.passes import (AssignPrecision, AttentionToPaged, Cleanup, CompileDecode, FuseAttentionInputs,
                                   FuseMoEExperts, FuseProjections, FuseRMSNorm, FuseRotary, FuseSiluMul, InsertKVPrune,
                                   OffloadEmbeddings, PackGemmLinears, PrepackOneDNNExperts, PrepackOneDNNLinears, SplitPhases,
-                                  UpcastLinear, default_passes)
+                                  UpcastLinear, WrapCudaGraphs, default_passes)
 from devin_compile.passes.table import PASS_TABLE, STAGES, Flags, table_markdown
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 from devin_compile.quant.config import QuantConfig
@@ -58,6 +58,11 @@ def _if_chain(config, offload_roles=frozenset(), quant=None) -> list:
     if config.compile_decode:
         passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs,
                                     getattr(config, "compile_decode_options", None)))
+    if config.passes.split_phases and config.passes.cuda_graphs:  # the row added after the if-chain
+        rows = config.scheduler.max_num_seqs
+        if config.speculative is not None:
+            rows = max(rows, config.speculative.max_verify_tokens)
+        passes.append(WrapCudaGraphs(rows))
     return passes
 
 
@@ -70,6 +75,8 @@ def _state(p) -> tuple:
 QUANT = (object(), QuantConfig())
 CASES = [
     ({}, frozenset(), None),
+    ({"cuda_graphs": False}, frozenset(), None),
+    ({"speculative": "ngram", "max_num_seqs": 4}, frozenset(), None),  # verify rows reach max_verify_tokens
     ({"fuse_projections": False}, frozenset(), None),  # fuse_silu_mul only with fuse_projections
     ({"fuse_silu_mul": False}, frozenset(), None),
     ({"fuse_rotary": False}, frozenset(), None),  # fuse_attention_inputs only with fuse_rotary

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from ..validation import flag, is_int, one_of
+from ..validation import flag, int_at_least, is_int, one_of
 from .cache import CacheConfig
 from .kv_prune import KVPruneConfig
 from .pass_options import PassOptions
@@ -68,6 +68,9 @@ class OptimizeConfig:
     # {"cpp_wrapper": True}: a C++ wrapper instead of Python calls the kernels (SmolLM2 INT4 on a
     # 2-core CPU: ~5% faster decode, but ~2x the compile time).
     compile_decode_options: dict = field(default_factory=dict)
+    # CUDA Graph decode steps (wrap_cuda_graphs): how many times a replayed step whose logits hold
+    # NaN/inf is recomputed uncaptured before its non-finite rows fail their requests alone.
+    cuda_graph_recompute_depth: int = 1
     # Modules to run on the CPU while the rest runs on the accelerator, e.g. ("embed_tokens", "lm_head").
     offload_layers: tuple[str, ...] = ()
     # Decode batch sizes the decode graph is specialised for; static-shape decode callables
@@ -101,6 +104,7 @@ class OptimizeConfig:
         for name in ("compile_decode", "warmup"):
             flag(name, getattr(self, name))
         self._check_compile_decode()
+        int_at_least("cuda_graph_recompute_depth", self.cuda_graph_recompute_depth, 0)
         buckets = self.decode_buckets
         if (not isinstance(buckets, (list, tuple)) or not buckets
                 or any(not is_int(b) or b < 1 for b in buckets)):

@@ -31,6 +31,8 @@ class PassOptions:
     # CPU bf16/fp16 without native oneDNN kernels: linears of 8+ rows computed in float32.
     upcast_linear: bool = True
     split_phases: bool = True
+    # CUDA: decode steps replayed as CUDA Graphs, one per reachable decode bucket (wrap_cuda_graphs).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         flag("split_phases", self.split_phases)

@@ -26,6 +26,7 @@ from .prepack_onednn_linears import PrepackOneDNNLinears
 from .split_phases import SplitPhases
 from .table import PASS_TABLE, Flags, PassSpec, PipelineInputs, When, build_passes
 from .upcast_linear import UpcastLinear
+from .wrap_cuda_graphs import WrapCudaGraphs
 
 
 def default_passes(config: OptimizeConfig, offload_roles: Set[str] = frozenset(), quant=None) -> list[Pass]:
@@ -38,4 +39,4 @@ def default_passes(config: OptimizeConfig, offload_roles: Set[str] = frozenset()
 __all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseMoEExperts",
            "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul", "InsertKVPrune", "OffloadEmbeddings",
            "PackGemmLinears", "PrepackOneDNNExperts", "PrepackOneDNNLinears", "SplitPhases", "UpcastLinear",
-           "PASS_TABLE", "Flags", "PassSpec", "PipelineInputs", "When", "build_passes", "default_passes"]
+           "WrapCudaGraphs",           "PASS_TABLE", "Flags", "PassSpec", "PipelineInputs", "When", "build_passes", "default_passes"]

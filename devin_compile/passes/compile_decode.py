@@ -19,7 +19,7 @@ Why one symbolic compile and not one static compile per bucket: on this CPU a co
 SmolLM2's decode graph takes ~50 s (bench/results/decode.json), so eight static ones would cost minutes; with the
 token dimension symbolic, batch 1 and batch >= 2 are the only two compiles (Inductor
 specialises size 1), and every bucket reuses them. This is the CPU counterpart of
-``wrap_cuda_graphs`` (CUDA Graphs per bucket on GPU), which is not built yet.
+``wrap_cuda_graphs`` (CUDA Graphs per bucket on GPU); the runtime's ``DecodeGraphs`` runs both.
 
 Invariant: for every bucket, the compiled callable returns the decode graph's logits
 (greedy tokens identical in float32; tested).
@@ -32,6 +32,7 @@ import torch
 
 from ..graph_utils import copy_graph, fake_value
 from ..pipeline import Pass, PassContext, PassError, PassResult, Program
+from ..step import reachable_buckets
 
 
 class CompileDecode(Pass):
@@ -43,13 +44,11 @@ class CompileDecode(Pass):
         super().__init__()
         self.options = dict(options or {})  # Inductor config overrides (config.compile_decode_options)
         # buckets the scheduler can reach (max_num_seqs caps a decode batch), plus the first above it
-        reach = [b for b in decode_buckets if b < max_num_seqs]
-        above = [b for b in decode_buckets if b >= max_num_seqs]
-        self.buckets = tuple(reach + above[:1])
+        self.buckets = reachable_buckets(decode_buckets, max_num_seqs)
 
     def skip_reason(self, program: Program, ctx: PassContext) -> str | None:
         if ctx.info.device.type != "cpu":
-            return f"CPU only; on {ctx.info.device.type} decode would need CUDA Graphs (wrap_cuda_graphs, not built)"
+            return f"CPU only; on {ctx.info.device.type} decode steps are CUDA Graphs (wrap_cuda_graphs)"
         if "decode" not in program.graphs:
             return "no decode graph (split_phases is off)"
         return None

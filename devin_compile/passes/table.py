@@ -38,6 +38,7 @@ from .prepack_onednn_experts import PrepackOneDNNExperts
 from .prepack_onednn_linears import PrepackOneDNNLinears
 from .split_phases import SplitPhases
 from .upcast_linear import UpcastLinear
+from .wrap_cuda_graphs import WrapCudaGraphs
 
 #: Stages in pipeline order; a row's stage is never earlier than the row before it.
 STAGES = ("lower", "fuse", "precision", "phases", "placement", "linear_kernels", "cleanup", "late_fuse", "compile")
@@ -155,7 +156,18 @@ PASS_TABLE: tuple[PassSpec, ...] = (
              after=("cleanup", "fuse_attention_inputs"),
              build=lambda i: CompileDecode(i.config.decode_buckets, i.config.scheduler.max_num_seqs,
                                            i.config.compile_decode_options)),
+    PassSpec(WrapCudaGraphs, "compile", Flags(lambda o: o.split_phases and o.cuda_graphs), after=("cleanup", "fuse_attention_inputs"),
+             build=lambda i: WrapCudaGraphs(max_decode_rows(i.config))),
 )
+
+
+def max_decode_rows(config: OptimizeConfig) -> int:
+    """The most rows a decode step can have: ``max_num_seqs`` sequences, or with speculative decoding
+    up to ``max_verify_tokens`` verify rows."""
+    rows = config.scheduler.max_num_seqs
+    if config.speculative is not None:
+        rows = max(rows, config.speculative.max_verify_tokens)
+    return rows
 
 
 def check_table(table: tuple[PassSpec, ...]) -> None:

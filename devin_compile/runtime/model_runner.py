@@ -11,24 +11,30 @@ from __future__ import annotations
 import torch
 
 from ..backends.attention.registry import AttentionBackend, select_attention_backend
-from ..step import decode_bucket
 from ..pipeline import Program
-from ..step import AttentionMetadata, StepContext, step_context
+from ..step import AttentionMetadata, StepContext, decode_bucket, step_context
+from .decode_graphs import DecodeGraphs, pad_rows
 from .kv_cache import PagedKVCache
 from .step_plan import ScheduledSeq
 
 
 class ModelRunner:
     def __init__(self, program: Program, kv_cache: PagedKVCache, *, vocab_size: int,
-                 backend: AttentionBackend | None = None, device: torch.device | str = "cpu") -> None:
+                 backend: AttentionBackend | None = None, device: torch.device | str = "cpu",
+                 max_seq_len: int | None = None, recompute_depth: int = 1) -> None:
         self.program = program
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.backend = backend or select_attention_backend(self.device)
-        # Pad pure-decode batches up to their bucket: needed by static-shape decode callables
-        # (on by default when the program has them; tests turn it on to check padding alone).
-        self.pad_decode = bool(program.decode_callables)
+        # Pure-decode steps by bucket: CUDA Graphs, or compile_decode's callables (None: the decode graph).
+        pool_tokens = kv_cache.num_blocks * kv_cache.block_size
+        self.decode_graphs = DecodeGraphs.for_runner(
+            program, kv_cache, self.backend, self.device, max_seq_len=min(max_seq_len or pool_tokens, pool_tokens),
+            recompute_depth=recompute_depth)
+        # Pad pure-decode batches the decode graph runs (eagerly) up to their bucket: tests turn it
+        # on to check padding alone.
+        self.pad_decode = False
         # Keys attention read vs keys that exist, summed over steps whose backend batched
         # sequences into padded rectangles (length-aware grouping; see backends/attention/length_groups.py).
         self.attention_real_keys = 0
@@ -43,12 +49,12 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[s // bs] * bs + s % bs for s in range(first_slot, first_slot + n)]
 
-    def graph_for(self, decode: bool, num_seqs: int):
-        """The callable for this step: for decode steps (when split) the bucket's static decode
-        callable or else the ``decode`` graph; otherwise the ``prefill`` (or unsplit ``main``) graph."""
+    def graph_for(self, decode: bool):
+        """The graph for a step run uncaptured: ``decode`` for decode steps (when split), otherwise
+        the ``prefill`` (or unsplit ``main``) graph."""
         g = self.program.graphs
         if decode and "decode" in g:
-            return self.program.decode_callables.get(num_seqs, g["decode"])
+            return g["decode"]
         return g.get("prefill") or g["main"]
 
     @staticmethod
@@ -61,31 +67,33 @@ class ModelRunner:
             kv_prune=None) -> torch.Tensor:
         """One forward over packed tokens; returns float logits [len(logits_indices), vocab]."""
         n_real = len(query_lens)
-        decode = self.is_decode_step(query_lens, logits_indices)
-        if decode and self.pad_decode and "decode" in self.program.graphs:
+        decode = self.is_decode_step(query_lens, logits_indices) and "decode" in self.program.graphs
+        if decode and kv_prune is None and self.decode_graphs is not None:
+            done = self.decode_graphs.run(input_ids, positions, slots, seq_lens, block_tables)
+            if done is not None:
+                self._count_padding(done[1])
+                return done[0]
+        if decode and self.pad_decode:
             bucket = decode_bucket(n_real, self.program.decode_buckets)
-            if bucket is not None and bucket > n_real:  # above the largest bucket: run unpadded
-                pad = bucket - n_real
-                # Dummy sequences: token 0 at position 0, slot -1 (no KV write), reading one
-                # slot of block 0 (read-only); their logits rows are dropped below.
-                input_ids = input_ids + [0] * pad
-                positions = positions + [0] * pad
-                slots = slots + [-1] * pad
-                query_lens = query_lens + [1] * pad
-                seq_lens = seq_lens + [1] * pad
-                block_tables = block_tables + [[0]] * pad
+            if bucket is not None:  # above the largest bucket: run unpadded
+                input_ids, positions, slots, seq_lens, block_tables = pad_rows(
+                    n_real, bucket, input_ids, positions, slots, seq_lens, block_tables)
+                query_lens = [1] * bucket
                 logits_indices = list(range(bucket))
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, slots, device=self.device)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         with torch.inference_mode(), step_context(StepContext(meta, self.kv_cache, self.backend, kv_prune)):
-            logits = self.graph_for(decode, meta.num_seqs)(ids, pos, idx)
+            logits = self.graph_for(decode)(ids, pos, idx)
+        self._count_padding(meta)
+        return logits[0, :n_real] if decode else logits[0]
+
+    def _count_padding(self, meta: AttentionMetadata) -> None:
         padding = meta.scratch.get("attention_padding")
         if padding is not None:
             self.attention_real_keys += padding[0]
             self.attention_padded_keys += padding[1]
-        return logits[0, :n_real] if decode else logits[0]
 
     def execute(self, batch: list[ScheduledSeq], kv_prune=None) -> tuple[torch.Tensor, list[int]]:
         """Run a scheduled step. Returns (logits, row → index into ``batch``) for the

@@ -5,6 +5,7 @@ request's tokens followed by the first ``j`` proposals of a speculative draft (n
 decode row). A processor that raises fails only its request (:class:`ProcessorError`).
 :func:`sample_rows` samples one token per plain row (:func:`~.sampling.sample_batch`) and reads
 the logprobs of the requests that asked, from the raw logits, before any processor edits them.
+A row whose raw logits hold NaN/inf fails its request alone (:data:`NON_FINITE`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ import torch
 from .logprobs import TokenLogprob, log_probs, token_logprobs
 from .sampling import sample_batch
 from .sequence import Sequence
+
+
+NON_FINITE = ("the model's logits for this request hold NaN/inf (in float16 an overflow: try dtype=bfloat16 "
+              "or float32); the request is stopped, the others go on")
 
 
 class ProcessorError(Exception):
@@ -57,8 +62,10 @@ def sample_rows(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampledRows:
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     logp = log_probs(logits[want]) if want else None  # before processors edit the rows in place
     logits = logits.float()
-    errors: dict[int, str] = {}
+    errors = {row: NON_FINITE for row, ok in enumerate(torch.isfinite(logits).all(dim=-1).tolist()) if not ok}
     for row, seq in enumerate(seqs):
+        if row in errors:
+            continue
         try:
             apply_processors(seq, logits[row:row + 1])
         except ProcessorError as e:

@@ -227,6 +227,8 @@ class _FlashAttnBackend:
 
     name = ""
     priority = 0
+    # decode steps read only the metadata tensors and its static host fields: CUDA-Graph capturable
+    cuda_graph_safe = True
     block_size_multiple = 1
     _modules: tuple[tuple[str, str], ...] = ()  # (module, attribute) candidates, tried in order
     _required_kwargs: tuple[str, ...] = ()

@@ -10,14 +10,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              meta: AttentionMetadata) -> None:
     """Scatter k/v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at ``meta.slot_mapping``.
 
-    Slots equal to -1 (padded decode entries) are skipped, so they never touch a real page.
+    Slots equal to -1 (padded decode entries) never touch a real page. Without a host sync (a
+    captured CUDA Graph step): each padded row rewrites the first real row's slot with that row's
+    own values, so every write to a slot carries the same data (at least one row is real; with none,
+    slot 0 gets row 0).
     """
     kc = k_cache.view(-1, *k_cache.shape[2:])
     vc = v_cache.view(-1, *v_cache.shape[2:])
     slots = meta.slot_mapping
-    if meta.has_padded_slots:
+    if meta.has_padded_slots and slots.numel():
         keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
+        first = keep.to(torch.int8).argmax()  # the first real row
+        slots = torch.where(keep, slots, slots[first]).clamp(min=0)
+        k = torch.where(keep[:, None, None], k, k[first])
+        v = torch.where(keep[:, None, None], v, v[first])
     kc.index_copy_(0, slots, k.to(kc.dtype))
     vc.index_copy_(0, slots, v.to(vc.dtype))
 

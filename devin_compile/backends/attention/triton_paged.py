@@ -303,6 +303,8 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 class TritonPagedBackend:
     name = "triton"
     priority = 20
+    # decode steps read only the metadata tensors and its static host fields: CUDA-Graph capturable
+    cuda_graph_safe = True
 
     def is_available(self, device: torch.device) -> bool:
         if not HAVE_TRITON:
