@@ -156,11 +156,11 @@ class DecodeGraphs:
             with torch.inference_mode(), torch.cuda.stream(stream):
                 for _ in range(2):  # Triton JIT, cuBLAS workspaces, lazy inits: outside the capture
                     self._eager(inp)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), step_context(self._context(inp)):
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):  # the stream the warm-up ran on
                     out = fn(inp.ids, inp.positions, inp.rows)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize(self.device)
 
