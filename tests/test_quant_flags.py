@@ -164,13 +164,16 @@ def _logprobs(opt, prompt: list[int], new: list[int]) -> torch.Tensor:
 
 
 def test_run_quantize_on_the_fly(tmp_path, capsys):
-    """--quantize rtn: the shipped set, 16 x 512 tokens; piped, progress is plain lines."""
+    """--quantize rtn: the shipped set, 16 x 512 tokens; piped, progress is plain lines. The
+    speculative engine timed beside it reuses the weights (one calibration, the same tokens)."""
     folder = _tiny_llama(tmp_path / "small")
     capsys.readouterr()
-    assert main(["run", "--model", str(folder), "--quantize", "rtn", "--no-bench", "--max-new-tokens", "2",
-                 "--prompt", "what is the capital"]) == 0
+    assert main(["run", "--model", str(folder), "--quantize", "rtn", "--max-new-tokens", "2", "--bench-tokens", "3",
+                 "--repeats", "1", "--speculative", "ngram", "--prompt", "what is the capital"]) == 0
     out = capsys.readouterr().out
-    assert "calibrating (16 x 512 tokens): started, 16 steps" in out
+    assert out.count("calibrating (16 x 512 tokens): started, 16 steps") == 1
+    assert "same greedy tokens as devin-compile: True" in " ".join(out.split())
+    assert "(devin-compile runs quantized weights)" in " ".join(out.split())
     assert "calibrating (16 x 512 tokens): 16/16 (100%), done in " in out
     assert "RTN INT4 g64: 14/14 (100%), done in " in out
     assert "quantized weights (quantized at start: rtn, g64, calibrated on 8192 tokens): 8 int4 linears" in out
