@@ -1,5 +1,5 @@
-"""The shipped calibration set, the data= / --data forms (files, folders, lists), and progress
-reporting (tqdm bars from Python, silent with progress=False / --quiet). Tiny models only."""
+"""The shipped calibration set and the data= / --data forms (files, folders, lists); progress
+reporting is tests/test_progress.py. Tiny models only."""
 from __future__ import annotations
 
 import re
@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from devin_compile import quant
 from devin_compile.quant import QuantConfig, corpus
-from devin_compile.quant.calibration import collect_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,41 +109,6 @@ def test_bad_data_is_a_clear_error(tmp_path, monkeypatch):
 def test_calibrate_defaults_to_the_shipped_set(tiny):
     stats = quant.calibrate(tiny, CharTokenizer(), num_chunks=2, chunk_len=32, progress=False, fisher=False)
     assert stats.data == corpus.DEFAULT_LABEL and stats.tokens == 64
-
-
-# ---------------------------------------------------------------- progress
-def test_progress_bars_from_python_and_silence(tiny, capfd):
-    tok = CharTokenizer()
-    stats = quant.calibrate(tiny, tok, num_chunks=3, chunk_len=32, fisher=False)  # default: a tqdm bar
-    err = capfd.readouterr().err
-    assert "calibrating" in err and "3/3" in err
-    quant.quantize(tiny, stats, method="gptq", group_size=32)
-    err = capfd.readouterr().err
-    assert "GPTQ INT4 g32" in err and "14/14" in err  # 7 linears x 2 layers
-    quant.calibrate(tiny, tok, num_chunks=2, chunk_len=32, fisher=False, progress=False)
-    quant.quantize(tiny, stats, method="awq", group_size=32, progress=False)
-    quant.quantize(tiny, stats, method="rtn", group_size=32, **{"progress": False})
-    out = capfd.readouterr()
-    assert out.err == "" and out.out == ""
-
-
-def test_progress_callables_see_each_loop(tiny):
-    calls = []
-    stats = collect_stats(tiny, [torch.randint(3, 256, (32,)) for _ in range(2)], fisher=False,
-                          progress=lambda *a: calls.append(a))
-    assert calls == [(1, 2), (2, 2)]
-    seen = []
-    quant.quantize(tiny, stats, method="awq", group_size=32, progress=lambda *a: seen.append(a))
-    totals = [a[1] for a in seen]
-    # AWQ: the scale search over the 4 distinct inputs per layer, then the 14 linears by name
-    assert totals[:9] == [8] * 9 and totals[9:] == [14] * 14
-    assert seen[-1] == (14, 14, "model.layers.1.mlp.down_proj")
-
-
-def test_quant_config_progress_silences_optimize_path(tiny, capfd):
-    cfg = QuantConfig(method="rtn", group_size=32, calib_chunks=2, calib_len=32, progress=False)
-    quant.quantize_for_optimize(tiny, CharTokenizer(), cfg)
-    assert capfd.readouterr().err == ""
 
 
 def test_cli_help_quotes_the_config_defaults():

@@ -9,6 +9,9 @@ import os
 import time
 from typing import Any
 
+from .progress import Bars, stage
+
+QUANT_METHODS = ("rtn", "awq", "gptq")
 DTYPE_HELP = "float32, bfloat16 or float16 (also fp32, bf16, fp16); default float32, where greedy output equals HF's"
 
 
@@ -116,13 +119,42 @@ def print_markdown(con, text: str) -> None:
         con.width = width
 
 
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """--quantized DIR (a saved artifact) or --quantize METHOD (quantize at start)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quantized", metavar="DIR",
+                   help="run the model with the INT4/FP8 weights written by \"devin-compile quantize run --out DIR\" "
+                        "(for this same model; its precision table is printed at start)")
+    g.add_argument("--quantize", choices=QUANT_METHODS, default=None, metavar="METHOD",
+                   help="quantize to INT4 at start with rtn, awq or gptq (group size 64), calibrated on the set "
+                        "shipped in the package (16 x 512 tokens; AWQ/GPTQ take 1-2 minutes for SmolLM2 on 2 cores); "
+                        "\"devin-compile quantize\" gives every option and keeps the result")
+
+
+def quant_options(args, options: dict | None = None) -> dict:
+    """``options`` with what --quantized / --quantize ask for; the artifact's files and JSON are checked
+    here, before any model loads (its fit to the model once the model is loaded)."""
+    from ..quant.artifact import read_config
+
+    options = dict(options or {})
+    if args.quantized is not None:
+        read_config(args.quantized)
+        options["quantized"] = args.quantized
+    if args.quantize is not None:
+        given = options.get("quantization") or {}
+        if not isinstance(given, dict):
+            raise ValueError(f"quantization={given!r} must be a dict of quantization options")
+        options["quantization"] = {**given, "method": args.quantize}
+    return options
+
+
 def load(args, con):
     """(model, tokenizer) for ``--model`` in ``--dtype``, showing a spinner while loading."""
     from ..config import parse_dtype
     from ..models import load_model
 
     dtype = parse_dtype(args.dtype)
-    with con.status(f"loading {'SmolLM2-135M-Instruct (embedded)' if args.model is None else args.model} ..."):
+    with stage(con, f"loading {'SmolLM2-135M-Instruct (embedded)' if args.model is None else args.model} ..."):
         t0 = time.perf_counter()
         model, tok = load_model(args.model, dtype)
     con.print(f"loaded {type(model).__name__} in {time.perf_counter() - t0:.1f} s ({dtype})")
@@ -130,11 +162,38 @@ def load(args, con):
 
 
 def optimize(model, tok, con, **options):
-    """``devin_compile.optimize`` with a spinner, then the pass report."""
+    """``devin_compile.optimize`` with a spinner, then the pass report and, for a quantized model, what
+    precision its linears got. Quantizing at start (``quantization=`` without ``quantized=``) shows
+    the progress of calibration and quantization instead (:class:`~.progress.Bars`)."""
     from ..api import optimize as compile_model
 
-    with con.status("optimizing: capture → passes → engine ..."):
-        opt = compile_model(model, tokenizer=tok, **options)
+    quant = options.get("quantization")
+    if isinstance(quant, dict) and options.get("quantized") is None and "progress" not in quant:
+        with Bars(con) as bars:
+            con.print(f"optimizing: calibrate → {quant.get('method', 'awq')} INT4 → capture → passes → engine ...")
+            opt = compile_model(model, tokenizer=tok, **{**options, "quantization": {**quant, "progress": bars.progress}})
+    else:
+        with stage(con, "optimizing: capture → passes → engine ..."):
+            opt = compile_model(model, tokenizer=tok, **options)
     con.print(f"optimized in {opt.compile_seconds:.1f} s")
     print_markdown(con, opt.report())
+    if opt.precision_table:
+        con.print(precision_summary(opt, options.get("quantized")), soft_wrap=True)
     return opt
+
+
+def precision_summary(opt, quantized: str | None) -> str:
+    """One line: where the quantized weights came from and how many linears got each precision."""
+    res = opt.quant_result
+    counts: dict[str, int] = {}
+    for r in opt.precision_table:
+        counts[r["precision"]] = counts.get(r["precision"], 0) + 1
+    source = f"artifact {quantized}" if quantized else "quantized at start"
+    made = f"{res.method}, g{res.group_size}, calibrated on {res.calib.get('tokens', '?')} tokens"
+    weights = sum(r["bytes"] for r in opt.precision_table)
+    return (f"quantized weights ({source}: {made}): " + ", ".join(f"{n} {p}" for p, n in counts.items())
+            + f" linears, {_size(weights)} (per-linear table under assign_precision above)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"

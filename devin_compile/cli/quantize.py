@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from . import common
+from .progress import Bars
 
 HELP = "weight-only INT4 / FP8: calibrate, then run (quantize), then validate"
 DESCRIPTION = ("Weight-only INT4 in three stages: calibrate (activation statistics on real text), run (quantize "
@@ -26,13 +27,14 @@ def add_arguments(p) -> None:
 
     _add_calibrate_arguments(stage("calibrate", "collect activation statistics and Hessians on real text (start of "
                                                 "--data)"))
-    _add_run_arguments(stage("run", "quantize from calibration statistics; writes safetensors + JSON"))
+    _add_run_arguments(stage("run", "quantize from calibration statistics (--calib, or collected now); writes "
+                                    "safetensors + JSON"))
     _add_validate_arguments(stage("validate", "perplexity, KL, top-1, bytes and per-layer table (end of --data)"))
 
 
 def _add_data_arguments(s, chunks: int) -> None:
     """``--quiet`` and the text options (``--data``, ``--chunks``, ``--chunk-len``) of calibrate and validate."""
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.add_argument("--quiet", action="store_true", help="no progress (bars on a terminal, else log lines)")
     s.add_argument("--data", default=None, nargs="+", metavar="PATH",
                    help="text files and/or folders of text files (default: the calibration set shipped in "
                         "the package: prose, dialogue, technical docs, code, markup, five languages)")
@@ -54,8 +56,9 @@ def _add_calibrate_arguments(c) -> None:
 
 def _add_run_arguments(r) -> None:
     common.add_model_arguments(r, uses_attention=False)
-    r.add_argument("--calib", required=True, metavar="DIR",
-                   help="directory written by \"devin-compile quantize calibrate\"")
+    r.add_argument("--calib", default=None, metavar="DIR",
+                   help="directory written by \"devin-compile quantize calibrate\" (default: calibrate now as that "
+                        "does by default, on 16 x 512 tokens of the shipped set, without saving the statistics)")
     r.add_argument("--method", default="awq", help="rtn, awq or gptq (default awq)")
     r.add_argument("--bits", type=int, default=4, help="bits per weight (4)")
     r.add_argument("--group-size", type=int, default=64, metavar="G",
@@ -88,7 +91,7 @@ def _add_run_arguments(r) -> None:
                    help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
     r.add_argument("--out", required=True, metavar="DIR",
                    help="directory for quantized.safetensors + quant_config.json")
-    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument("--quiet", action="store_true", help="no progress (bars on a terminal, else log lines)")
     r.set_defaults(fn=quantize)
 
 
@@ -108,42 +111,6 @@ def _check_data(args) -> None:
             raise FileNotFoundError(f"--data {d} does not exist (give text files or folders of text files)")
 
 
-class _Bars:
-    """Rich progress bars fed by the quant/ ``progress=`` callables; nothing at all with ``--quiet``."""
-
-    def __init__(self, con, quiet: bool):
-        self.prog = None
-        if not quiet:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=con, transient=False)
-        self.tasks: dict[str, int] = {}
-
-    def callback(self, label: str):
-        """``fn(done, total, *info)``: one bar per loop (AWQ's scale search, then its per-linear
-        loop, have different totals), showing the item in progress (``info[0]``)."""
-        if self.prog is None:
-            return False
-
-        def fn(done: int, total: int, *info) -> None:
-            key = f"{label}/{total}"
-            if key not in self.tasks:
-                self.tasks[key] = self.prog.add_task(label, total=total)
-            what = f"{label}: {info[0]}" if info else label
-            self.prog.update(self.tasks[key], completed=done, description=what)
-        return fn
-
-    def __enter__(self):
-        if self.prog is not None:
-            self.prog.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.prog is not None:
-            self.prog.__exit__(*exc)
-
-
 def calibrate(args) -> int:
     _check_data(args)
     common.check_options(args)
@@ -153,9 +120,8 @@ def calibrate(args) -> int:
     model, tok = common.load(args, con)
     stream = calibration.load_token_stream(tok, args.data)
     chunks = calibration.token_chunks(stream, args.chunks, args.chunk_len)
-    with _Bars(con, args.quiet) as bars:
-        stats = calibration.collect_stats(model, chunks, data=corpus.data_label(args.data),
-                                          progress=bars.callback(f"calibrating on {args.chunks} x {args.chunk_len} tokens"),
+    with Bars(con, args.quiet) as bars:
+        stats = calibration.collect_stats(model, chunks, data=corpus.data_label(args.data), progress=bars.progress,
                                           fisher=not args.no_output_gradients)
     stats.save(args.out)
     grads = ", output gradients" if stats.fisher else ", no output gradients"
@@ -181,18 +147,18 @@ def quantize(args) -> int:
                                            ("anchors", args.anchors), ("refits", args.refits),
                                            ("per_linear", _json_option(args.per_linear, "--per-linear")))
                          if v is not None})
-    calib = Path(args.calib)
-    if not (calib / META_FILE).is_file() or not (calib / STATS_FILE).is_file():
+    calib = None if args.calib is None else Path(args.calib)
+    if calib is not None and not ((calib / META_FILE).is_file() and (calib / STATS_FILE).is_file()):
         raise FileNotFoundError(f"--calib {calib} is not a calibration directory (needs {META_FILE} and {STATS_FILE}; "
                                 "make one with `devin-compile quantize calibrate`)")
     common.check_options(args)
     con = common.console()
     model, tok = common.load(args, con)
-    stats = CalibrationStats.load(calib, model)
-    with _Bars(con, args.quiet) as bars:
-        result = quantize_model(model, stats, cfg, progress=bars.callback(f"{cfg.method} INT4 g{cfg.group_size}"))
+    with Bars(con, args.quiet) as bars:
+        stats = CalibrationStats.load(calib, model) if calib is not None else _calibrate_now(model, tok, bars.progress)
+        result = quantize_model(model, stats, cfg, progress=bars.progress)
     if cfg.target["kind"] == "max_kl":
-        with con.status(f"resolving target max_kl={cfg.target['value']} on calibration text ..."):
+        with common.stage(con, f"resolving target max_kl={cfg.target['value']} on calibration text ..."):
             chunks = token_chunks(load_token_stream(tok, data_from_label(stats.data)),
                                   min(2, stats.num_chunks), stats.chunk_len)
             resolve_target(model, result, cfg, chunks)
@@ -202,6 +168,17 @@ def quantize(args) -> int:
     for note in result.notes:
         con.print(f"  note: {note}")
     return 0
+
+
+def _calibrate_now(model, tok, progress):
+    """What `quantize calibrate` collects by default (the shipped set, output gradients), kept in memory."""
+    from ..quant import QuantConfig
+    from ..quant.calibration import collect_stats
+    from ..quant.corpus import data_label, load_token_stream, token_chunks
+
+    defaults = QuantConfig()
+    chunks = token_chunks(load_token_stream(tok, None), defaults.calib_chunks, defaults.calib_len)
+    return collect_stats(model, chunks, data=data_label(None), progress=progress)
 
 
 def validation_markdown(rep: dict) -> str:
@@ -237,11 +214,9 @@ def validate(args) -> int:
     con = common.console()
     model, tok = common.load(args, con)
     t0 = time.perf_counter()
-    with _Bars(con, args.quiet) as bars:
+    with Bars(con, args.quiet) as bars:
         rep = validate_artifact(model, tok, args.quantized, optimize=optimize, data=args.data, num_chunks=args.chunks,
-                                chunk_len=args.chunk_len,
-                                progress=bars.callback(f"evaluating {args.chunks} x {args.chunk_len} tokens"),
-                                **options)
+                                chunk_len=args.chunk_len, progress=bars.progress, **options)
     rep["seconds"] = time.perf_counter() - t0
     md = validation_markdown(rep)
     common.print_markdown(con, md)

@@ -1,6 +1,8 @@
 """``devin-compile run``: optimize a model, answer prompts, and time batch-1 decode against HF eager."""
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
 
 from . import common
@@ -29,6 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=common.int_at_least(1), default=3, metavar="N",
                    help="timed runs per engine; the median is reported (default 3)")
     p.add_argument("--no-bench", action="store_true", help="skip the HF-vs-devin timing")
+    common.add_quant_arguments(p)
     common.add_speculative_arguments(p, "also time devin-compile with speculative decoding by this method, side by "
                                         "side, with its acceptance table")
     p.set_defaults(fn=main)
@@ -44,7 +47,7 @@ def _chat_ids(tok, text: str) -> list[int]:
 def main(args) -> int:
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
-    options = common.check_options(args)
+    options = common.check_options(args, **common.quant_options(args))
     spec = common.speculative_config(args)
     con = common.console()
     model, tok = common.load(args, con)
@@ -64,11 +67,27 @@ def main(args) -> int:
     spec_opt = None
     if spec is not None:
         common.load_draft(args, spec, con)
-        with con.status(f"optimizing with speculative={spec['method']} ..."):
-            spec_opt = optimize(model, tokenizer=tok, speculative=spec, **options)
+        with common.stage(con, f"optimizing with speculative={spec['method']} ..."), \
+                _reuse_quantization(opt, options) as spec_options:
+            spec_opt = optimize(model, tokenizer=tok, speculative=spec, **spec_options)
     if not args.no_bench:
         _bench(args, con, model, opt, ids[0], spec_opt)
     return 0
+
+
+@contextlib.contextmanager
+def _reuse_quantization(opt, options: dict):
+    """``options`` for a second engine of the same model: weights quantized at start (--quantize) are
+    saved to a temporary artifact and loaded from it, not calibrated and quantized again."""
+    if opt.quant_result is None or options.get("quantized") is not None:
+        yield options
+        return
+    from ..quant import RUNTIME_KEYS, artifact
+
+    with tempfile.TemporaryDirectory(prefix="devin-quantized-") as tmp:
+        artifact.save(opt.quant_result, tmp)
+        runtime = {k: v for k, v in options["quantization"].items() if k in RUNTIME_KEYS}
+        yield {**options, "quantized": tmp, "quantization": {**runtime, "progress": False}}
 
 
 def _bench(args, con, model, opt, bench_ids: list[int], spec_opt=None) -> None:
@@ -90,7 +109,7 @@ def _bench(args, con, model, opt, bench_ids: list[int], spec_opt=None) -> None:
         hf_model = copy.deepcopy(model).to(peer_dtype)
         hf_name = f"HF eager ({peer_name})*"
         footnote = f"* {why}, so HF eager runs in {peer_name}"
-    with con.status(f"timing batch-1 decode of {args.bench_tokens} tokens (median of {args.repeats}) ..."):
+    with common.stage(con, f"timing batch-1 decode of {args.bench_tokens} tokens (median of {args.repeats}) ..."):
         hf = time_hf_decode(hf_model, bench_ids, args.bench_tokens, args.repeats, name=hf_name)
         engines = {"devin-compile": opt}
         if spec_opt is not None:
@@ -103,6 +122,8 @@ def _bench(args, con, model, opt, bench_ids: list[int], spec_opt=None) -> None:
     if footnote:
         con.print(footnote)
     same = hf.tokens == dv.tokens if peer_dtype == dtype else f"n/a (HF ran in {str(peer_dtype)[6:]})"
+    if opt.precision_table:
+        same = f"{same} (devin-compile runs quantized weights)"
     con.print(f"speed-up: {dv.decode_tok_s / hf.decode_tok_s:.2f}x   same greedy tokens: {same}")
     if sp:
         _spec_table(con, spec_opt, sp[0], dv, hf)

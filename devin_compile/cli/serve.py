@@ -58,6 +58,7 @@ def add_optimize_arguments(p) -> None:
                         "(the last tier, below --kv-cache-host-bytes)")
     common.add_speculative_arguments(p, "decode with speculative decoding by this method (a server request can "
                                         "turn it off or tune it with the extra body field \"speculative\")")
+    common.add_quant_arguments(p)
 
 
 def add_arguments(p) -> None:
@@ -106,7 +107,7 @@ def optimize_options(args) -> dict:
         tiers.append({"backend": "redis", "url": args.kv_cache_redis})
     if tiers:
         options["kv_cache_tiers"] = tiers
-    options = common.check_options(args, **options)
+    options = common.check_options(args, **common.quant_options(args, options))
     spec = common.speculative_config(args)  # after the check: a --draft-model path is loaded in main()
     if spec is not None:
         options["speculative"] = spec

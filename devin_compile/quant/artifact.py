@@ -115,20 +115,47 @@ class _Tensors:
         return t
 
 
-def _read_files(p: Path) -> tuple[dict, _Tensors]:
-    """The JSON and the tensors of the artifact in ``p``, after the format and version check."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def read_config(path: str | os.PathLike) -> dict:
+    """The checked ``quant_config.json`` of the artifact in ``path`` (both files present, the JSON
+    readable, of this format and version, with the keys :func:`load` reads); cheap, no tensors."""
+    p = Path(path)
     if not p.is_dir() or not (p / CONFIG_FILE).exists() or not (p / TENSORS_FILE).exists():
         raise FileNotFoundError(f"{p} is not a quantized-model directory (needs {CONFIG_FILE} and {TENSORS_FILE}; "
                                 "make one with `devin-compile quantize run`)")
     try:
         meta = json.loads((p / CONFIG_FILE).read_text())
     except (json.JSONDecodeError, OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p / CONFIG_FILE} is corrupted: {e}") from None
+        raise ValueError(f"{p / CONFIG_FILE} is corrupted: {e}; write the artifact again with "
+                         "`devin-compile quantize run`") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"{p / CONFIG_FILE} is not a version-{VERSION} {FORMAT} artifact")
+    bad = _malformed(meta)
+    if bad:
+        raise ValueError(f"{p / CONFIG_FILE} is corrupted: {', '.join(bad)} missing or malformed; write the "
+                         "artifact again with `devin-compile quantize run`")
+    return meta
+
+
+def _malformed(meta: dict) -> list[str]:
+    """The keys of an artifact's JSON that :func:`load` needs and that are missing or of the wrong kind."""
+    kinds = {"method": str, "bits": int, "group_size": int, "fingerprint": dict, "linears": dict}
+    bad = [k for k, kind in kinds.items() if not isinstance(meta.get(k), kind)]
+    for name, info in (meta["linears"] if "linears" not in bad else {}).items():
+        if not isinstance(info, dict):
+            bad.append(f"linears.{name}")
+            continue
+        need = {"shape", "group_size", "err", "signal"} | ({"fp8_err"} if info.get("fp8") else set())
+        if not need <= set(info):
+            bad.append(f"linears.{name}")
+    return bad[:4]
+
+
+def _read_files(p: Path) -> tuple[dict, _Tensors]:
+    """The JSON (:func:`read_config`) and the tensors of the artifact in ``p``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    meta = read_config(p)
     try:
         tensors = load_file(str(p / TENSORS_FILE))
     except (SafetensorError, OSError, RuntimeError) as e:

@@ -113,7 +113,8 @@ def check_fingerprint(expected: dict, model: torch.nn.Module, what: str) -> None
     got = model_fingerprint(model)
     diffs = [f"{k}: {what} has {expected.get(k)!r}, model has {got[k]!r}" for k in got if expected.get(k) != got[k]]
     if diffs:
-        raise ValueError(f"{what} was made for a different model ({'; '.join(diffs[:3])})")
+        raise ValueError(f"{what} was made for a different model ({'; '.join(diffs[:3])}); make one for this model "
+                         "with `devin-compile quantize calibrate` and `quantize run` given its --model")
 
 
 @dataclass
@@ -393,7 +394,6 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                 collector.run_chunk(model, chunk.reshape(1, -1).to(device))
                 bar.update(i + 1)
     finally:
-        bar.__exit__()
         collector.detach()
     return collector.finish(num_chunks=len(chunks), chunk_len=chunk_len, fingerprint=model_fingerprint(model),
                             seconds=time.perf_counter() - t0, data=data)

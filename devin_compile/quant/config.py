@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..backends.int4 import format as fmt
+from .progress import check_progress
 from ..validation import flag, from_mapping, int_at_least, number_in, one_of, positive_int
 
 METHODS = ("rtn", "awq", "gptq")
@@ -125,7 +126,9 @@ class QuantConfig:
     dense_prefill: bool = True  # keep a dense (dequantized) copy for steps above max_int4_tokens
     # also quantize the output head (lm_head; untied from a tied embedding, which stays in the model dtype)
     lm_head: bool = False
-    progress: bool = True  # tqdm bars on stderr for calibration and the per-layer loop (False: silent)
+    # calibration and the per-layer loops: True log lines (logger devin_compile.quant, INFO), False silent,
+    # or a callable fn(done, total, *info) (quant/progress.py); not part of the config's identity
+    progress: Any = dataclasses.field(default=True, repr=False, compare=False)
     # precision tiers below the model dtype: "int4" and/or "fp8" (e4m3, per-row scales); byte-budget
     # targets pick each linear's tier by a knapsack over the estimated loss (passes/assign_precision.py)
     tiers: Any = ("int4",)
@@ -144,7 +147,7 @@ class QuantConfig:
         one_of("quantization kernel", self.kernel, INT4_KERNELS)
         int_at_least("max_int4_tokens", self.max_int4_tokens, 0, optional=True)
         flag("lm_head", self.lm_head)
-        flag("progress", self.progress)
+        check_progress(self.progress, "quantization progress")
         if self.data is not None and not isinstance(self.data, (str, os.PathLike)) and not (
                 isinstance(self.data, (list, tuple)) and self.data
                 and all(isinstance(d, (str, os.PathLike)) for d in self.data)):

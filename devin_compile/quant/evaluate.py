@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .corpus import DataArg, load_token_stream, token_chunks
-from .progress import Progress, ProgressArg
+from .progress import Progress, ProgressArg, stage
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -83,7 +83,6 @@ def compare(logits_fn: LogitsFn, chunks: Sequence[torch.Tensor], ref: Sequence[t
         per_chunk.append(same / target.numel())
         n += target.numel()
         bar.update(i + 1)
-    bar.__exit__()
     se = float(torch.tensor(per_chunk).std()) / math.sqrt(len(per_chunk)) if len(per_chunk) > 1 else 0.0
     return Quality(math.exp(nll_ref / n), math.exp(nll / n), kl / n, agree / n, n, se)
 
@@ -95,13 +94,15 @@ def validate(model: torch.nn.Module, tokenizer, quantized: str, *, optimize: Cal
     model over the full vocabulary, top-1 agreement, weight bytes and the per-layer table of the
     model compiled by ``optimize(model, tokenizer=..., quantized=..., **optimize_options)``
     (pass ``devin_compile.optimize``). ``data``: as for calibration (default: the shipped set, whose
-    end calibration never reaches; give held-out text to measure generalisation). ``progress``: a
-    bar over the evaluated chunks (False: silent)."""
+    end calibration never reaches; give held-out text to measure generalisation). ``progress``: over
+    the evaluated chunks (:mod:`.progress`; True: log lines, False: silent)."""
     stream = load_token_stream(tokenizer, data)
     chunks = token_chunks(stream, num_chunks, chunk_len, from_end=True, what="evaluation")
     t0 = time.perf_counter()
+    stage(progress, f"validate: compiling {quantized}")
     opt = optimize(model, tokenizer=tokenizer, quantized=quantized, **optimize_options)
     compile_s = time.perf_counter() - t0
+    stage(progress, f"validate: reference logits of the unquantized model on {num_chunks} x {chunk_len} tokens")
     ref = reference_logits(hf_logits_fn(model), chunks)
     quality = compare(optimized_logits_fn(opt), chunks, ref, progress=progress)
     table = opt.precision_table

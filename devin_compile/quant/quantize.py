@@ -85,7 +85,6 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
     for i, (n, w) in enumerate(weights.items()):
         linears[n] = _quantize_linear(n, w, stats, cfg, gsize[n], folds.in_scale.get(n), folds.row_scale.get(n))
         bar.update(i + 1, n)
-    bar.__exit__()
     changed = sorted({why for _g, why in gsize.values() if why})
     notes.extend(f"group size: {why}" for why in changed)
     return QuantResult(cfg.method, cfg.bits, cfg.group_size, linears, folds.overrides, model_fingerprint(model),
@@ -144,7 +143,6 @@ def _awq_scales(model: torch.nn.Module, stats: CalibrationStats, cfg: QuantConfi
         else:
             folds.row_scale[src] = 1.0 / s
     search.update(len(groups))
-    search.__exit__()
     return folds
 
 
@@ -230,4 +228,5 @@ def _add_fp8(ql: QLinear, ws: torch.Tensor, h: torch.Tensor, h_loss: torch.Tenso
 
 
 def _config_dict(cfg: QuantConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    """The options the weights were made with (saved in the artifact; ``progress`` is not one)."""
+    return {k: v for k, v in dataclasses.asdict(dataclasses.replace(cfg, progress=False)).items() if k != "progress"}

@@ -8,7 +8,7 @@ import torch
 
 from .calibration import CalibrationStats, collect_stats
 from .corpus import DataArg, data_label, load_token_stream, token_chunks
-from .progress import ProgressArg
+from .progress import ProgressArg, stage
 from .config import QuantConfig
 from .kl_search import resolve_max_kl
 from .quantize import quantize_model
@@ -20,7 +20,8 @@ def calibrate(model: torch.nn.Module, tokenizer, data: DataArg = None, num_chunk
     """Activation statistics of ``model`` on the first ``num_chunks x chunk_len`` tokens of ``data``
     (default: the calibration set shipped in the package; a file, a folder or a list: :mod:`.corpus`)
     and its output-gradient statistics unless ``fisher=False`` (:mod:`.calibration`).
-    ``progress=False`` is silent (:mod:`.progress`)."""
+    ``progress``: True log lines (logger ``devin_compile.quant``), False silent, or a callable
+    (:mod:`.progress`)."""
     stream = load_token_stream(tokenizer, data)
     chunks = token_chunks(stream, num_chunks, chunk_len)
     return collect_stats(model, chunks, progress=progress, data=data_label(data), fisher=fisher)
@@ -50,5 +51,6 @@ def resolve_target(model: torch.nn.Module, result: QuantResult, qcfg: QuantConfi
     """A ``max_kl`` target becomes ``keep_fp=N`` (measured on ``chunks``, at most 2 of them), in
     ``qcfg`` and in the result's saved config."""
     if qcfg.target["kind"] == "max_kl":
+        stage(qcfg.progress, f"resolving target max_kl={qcfg.target['value']} on {len(chunks[:2])} calibration chunks")
         qcfg.target = resolve_max_kl(model, result, chunks[:2], qcfg.target["value"])
         result.config["target"] = qcfg.target
