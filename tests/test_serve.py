@@ -169,7 +169,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "warm"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "speculative": True}, 400, "speculative"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "kv_prune": {"threshold": 0.1}}, 400, "kv_prune"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages"),

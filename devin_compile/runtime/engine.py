@@ -29,6 +29,7 @@ from .kv_prune import KVPruner
 from .kv_tiers import KVTiers
 from .logprobs import log_probs, token_logprobs
 from .output_processor import Emission, OutputProcessor
+from .prompt_logprobs import score_prompts
 from .request_output import RequestError, RequestOutput
 from .runner_protocol import Runner
 from .sampler import sample_rows
@@ -159,11 +160,15 @@ class Engine:
 
     def _forward(self, scheduled: list[ScheduledSeq]):
         """Run the batch: (logits, the batch index owning each row, the pruning step, forward seconds).
-        Computed tokens are committed (a drafted sequence's only after verification)."""
+        Prompt logprobs are scored; computed tokens are committed (a drafted sequence's only after
+        verification)."""
         prune_step = self.pruner.begin(scheduled) if self.pruner is not None else None
         t0 = time.perf_counter()
         logits, owners = self.runner.execute(scheduled, prune_step)
         forward_s = time.perf_counter() - t0
+        with torch.inference_mode():
+            score_prompts(scheduled, logits[len(owners):])  # rows past the sampling ones: prompt logprobs
+        logits = logits[:len(owners)]
         for item in scheduled:
             item.seq.num_computed += item.num_tokens
             if not item.draft:
@@ -176,9 +181,12 @@ class Engine:
                 forward_s: float) -> list[Emission]:
         """A token for every plain row; the accepted tokens of every drafted sequence."""
         plain, drafted = _split_rows(scheduled, owners)
+        scored = [seq for _, seq in plain if not seq.params.max_new_tokens]  # prompt scored: nothing to sample
+        if scored:
+            plain = [(r, seq) for r, seq in plain if seq.params.max_new_tokens]
         with torch.inference_mode():
-            rows = logits if not drafted else logits[[r for r, _ in plain]]
-            emitted = self._sample_plain(rows, [seq for _, seq in plain])
+            rows = logits if not (drafted or scored) else logits[[r for r, _ in plain]]
+            emitted = self._sample_plain(rows, [seq for _, seq in plain]) + [Emission(seq, []) for seq in scored]
             if drafted:
                 self.spec.record_verify_time([item for item, _, _ in drafted], forward_s)
             for item, first, count in drafted:

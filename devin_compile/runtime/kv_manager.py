@@ -12,7 +12,8 @@ sequence's blocks back.
 Prefix caching (``prefix_caching=True``): a waiting sequence starts from the longest trusted run
 of cached full blocks of its known tokens (prompt plus, after a preemption, its output so far),
 at most ``(num_tokens - 1) // block_size`` blocks so that at least one token is computed and the
-step yields logits. Those blocks are shared (reference count + 1) and count as computed. A block
+step yields logits, and none past the prompt positions a ``prompt_logprobs`` request has scored
+(it needs their logits). Those blocks are shared (reference count + 1) and count as computed. A block
 computed twice (identical prompts admitted together) is folded onto the registered copy at commit.
 
 KV tiers (:class:`~devin_compile.runtime.kv_tiers.KVTiers`): after the pool's match, the next
@@ -149,16 +150,25 @@ class KVManager:
         """Cached blocks (and their entry ids) a waiting ``seq`` can start from; none without a cache."""
         if self.prefix_cache is None:
             return [], []
-        max_blocks = (seq.num_tokens - 1) // self.block_size  # leave >= 1 token to compute
+        max_blocks = self._max_hit_blocks(seq)
         if max_blocks <= 0:
             return [], []
         return self.prefix_cache.match(self._chains[seq.request_id], seq.all_ids, max_blocks)
+
+    def _max_hit_blocks(self, seq: Sequence) -> int:
+        """Known blocks a waiting ``seq`` may start from: at least one token is left to compute, and a
+        request scoring its prompt (``prompt_logprobs``) takes none past the positions it has scored,
+        whose logits it still needs (runtime/prompt_logprobs.py)."""
+        n = (seq.num_tokens - 1) // self.block_size
+        if not seq.prompt_scored:
+            n = min(n, len(seq.prompt_logprobs) // self.block_size)
+        return n
 
     def _tier_lookup(self, seq: Sequence, start: int) -> list:
         """K/V of the chain blocks after the ``start`` the pool matched, as far as the tiers hold them."""
         if self.tiers is None:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size  # leave >= 1 token to compute
+        max_blocks = self._max_hit_blocks(seq)
         hashes = self._chains[seq.request_id].hashes[start:max_blocks]
         if not hashes or self.prefix_cache.get(hashes[0]) is not None:
             return []  # nothing to look up, or the pool has the hash for other content (a collision)

@@ -21,6 +21,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+    rank: int | None = None  # 1 + how many tokens are more likely (vLLM's rank); None: not computed
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -30,12 +31,14 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logp: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
-    """Row i of log-probabilities ``logp`` [N, V] → token ``tokens[i]``'s logprob and its
+    """Row i of log-probabilities ``logp`` [N, V] → token ``tokens[i]``'s logprob, its rank and its
     ``ks[i]`` most likely alternatives."""
     if not tokens:
         return []
     logp = logp[:len(tokens)]
-    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = logp.gather(1, torch.tensor(tokens, dtype=torch.long, device=logp.device).unsqueeze(1))
+    ranks = ((logp > chosen_t).sum(1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     k = min(max(ks), logp.shape[-1])
     top_v, top_i = (logp.topk(k, dim=-1) if k else (None, None))
     out = []
@@ -43,7 +46,7 @@ def token_logprobs(logp: torch.Tensor, tokens: list[int], ks: list[int]) -> list
         top = []
         if ks[i]:
             top = [(t, _floor(v)) for t, v in zip(top_i[i, :ks[i]].tolist(), top_v[i, :ks[i]].tolist())]
-        out.append(TokenLogprob(tok, _floor(chosen[i]), top))
+        out.append(TokenLogprob(tok, _floor(chosen[i]), top, ranks[i]))
     return out
 
 

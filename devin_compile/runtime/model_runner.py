@@ -3,7 +3,8 @@
 It owns the paged KV pool and the attention backend chosen for the device. For each
 step it packs the scheduled tokens end to end (``input_ids``/``position_ids`` [1, T]),
 computes each new token's cache slot from the sequence's block table, asks for logits
-only at the last token of sequences that will sample, and runs the graph inside a
+only at the last token of sequences that will sample (and at the prompt positions a request
+with ``prompt_logprobs`` scores this step), and runs the graph inside a
 :func:`~devin_compile.step.step_context`.
 """
 from __future__ import annotations
@@ -105,15 +106,19 @@ class ModelRunner:
         longer than the row before (so it sees the rows before it and not those after; every
         backend writes a layer's new K/V before attending). A verify step of decoding sequences
         is then a pure decode step for the graphs and kernels (the decode graph, the C decode
-        kernel), and batch indices stay those of ``batch`` (KV pruning's rows)."""
+        kernel), and batch indices stay those of ``batch`` (KV pruning's rows).
+
+        Prompt logprobs: after those rows come the rows of every item's ``scored`` positions (items in
+        batch order, positions in order); ``len(owners)`` tells where they start."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        qlens, slens, tables, logit_rows, owners = [], [], [], [], []
+        qlens, slens, tables, logit_rows, owners, prompt_rows = [], [], [], [], [], []
         proposals = []
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
+            prompt_rows.extend(len(ids) + p - start for p in item.scored)
             ids.extend(seq.all_ids[start:start + n])
             pos.extend(range(start, start + n))
             table = seq.block_table
@@ -135,14 +140,14 @@ class ModelRunner:
             tables.append(table)
             logit_rows.append(len(ids) - 1)
             owners.append(i)
-        if not logit_rows:  # only mid-prompt chunks this step: still need one logits row for the graph
-            logit_rows = [len(ids) - 1]
-            logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows)
+        rows = logit_rows + prompt_rows
+        # only mid-prompt chunks and no prompt scored: the graph still needs one logits row
+        logits = self.run(ids, pos, slots, qlens, slens, tables, rows or [len(ids) - 1], kv_prune)
+        if not rows:
             return logits[:0], []
-        logits = self.run(ids, pos, slots, qlens, slens, tables, logit_rows, kv_prune)
         if proposals:  # each owner's rows together, in position order (a stable sort by owner)
             order = sorted(range(len(owners)), key=owners.__getitem__)
-            logits = logits[order]
+            logits = torch.cat([logits[order], logits[len(owners):]]) if prompt_rows else logits[order]
             owners = [owners[r] for r in order]
         return logits, owners
 

@@ -3,7 +3,8 @@
 For each :class:`Emission` of a step (a request's sampled token, or the tokens a speculative
 verify accepted) it appends the tokens with their logprobs and times, stops at the first one that
 ends the request (``"stop"``: an EOS or one of the request's ``stop_token_ids``, unless
-``ignore_eos``; ``"length"``: ``max_new_tokens`` reached), and builds the
+``ignore_eos``; ``"length"``: ``max_new_tokens`` reached, or at once for a request that only
+scores its prompt, ``max_new_tokens=0``), and builds the
 :class:`~.request_output.RequestOutput` of the step. Finishing a request (done, failed or
 aborted) releases it through the ``release`` callback (its KV blocks, its proposer's state)
 before its status changes.
@@ -53,6 +54,8 @@ class OutputProcessor:
             if reason:
                 self.finish(seq, Status.FINISHED, reason)
                 break
+        if e.tokens == [] and not seq.status.done and not seq.params.max_new_tokens:
+            self.finish(seq, Status.FINISHED, "length")  # max_new_tokens=0: the prompt is scored, nothing more
         return self.output(seq, new)
 
     def stop_reason(self, seq: Sequence, tok: int) -> str | None:
@@ -78,7 +81,8 @@ class OutputProcessor:
 
     @staticmethod
     def output(seq: Sequence, new: list[int]) -> RequestOutput:
-        lps = seq.logprobs
+        lps, plps = seq.logprobs, seq.prompt_logprobs
         return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), new, seq.status.done,
                              seq.finish_reason, seq.error, seq.metrics,
-                             None if lps is None else list(lps), None if lps is None else lps[len(lps) - len(new):])
+                             None if lps is None else list(lps), None if lps is None else lps[len(lps) - len(new):],
+                             None if plps is None else [None, *plps])

@@ -27,3 +27,6 @@ class RequestOutput:
     # SamplingParams.logprobs set: runtime/logprobs.TokenLogprob of every output token / of new_ids
     logprobs: list | None = None
     new_logprobs: list | None = None
+    # SamplingParams.prompt_logprobs set: None for the first prompt token, then a TokenLogprob for each
+    # prompt token as far as the prefill has scored them (all of them from the first output on)
+    prompt_logprobs: list | None = None

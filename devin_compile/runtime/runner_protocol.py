@@ -25,7 +25,9 @@ class Runner(Protocol):
 
     def execute(self, batch: list["ScheduledSeq"], kv_prune: Any = None) -> tuple[torch.Tensor, list[int]]:
         """Run one scheduled step: (logits, row → index into ``batch``) of the sequences that sample;
-        a sequence with proposals (``ScheduledSeq.draft``) owns ``1 + len(draft)`` consecutive rows."""
+        a sequence with proposals (``ScheduledSeq.draft``) owns ``1 + len(draft)`` consecutive rows.
+        Rows past ``len(owners)`` are the prompt-logprob rows of the items' ``ScheduledSeq.scored``
+        positions, in batch order (none unless a request asks for ``prompt_logprobs``)."""
         ...
 
     def forward_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

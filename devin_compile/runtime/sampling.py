@@ -38,10 +38,15 @@ class SamplingParams:
     # Log-probabilities of the emitted tokens (runtime/logprobs.py): None (off), or how many top
     # alternatives to keep per token (0..20; 0: the chosen token's logprob only).
     logprobs: int | None = None
+    # Log-probabilities of the prompt's tokens after the first (runtime/prompt_logprobs.py), each
+    # under the prompt before it: None (off) or how many top alternatives to keep (0..20).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
+        m = self.max_new_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0 or (m == 0 and self.prompt_logprobs is None):
+            raise ValueError(f"max_new_tokens={m!r} must be a positive integer (0 only with prompt_logprobs: "
+                             "score the prompt alone)")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
@@ -54,10 +59,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         if any(not callable(p) for p in self.logits_processors):
             raise ValueError("logits_processors must be callables (token_ids, logits) -> logits")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs={self.logprobs!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}] "
-                             "(top alternatives per token)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={k!r} must be None (off) or an integer in [0, {MAX_LOGPROBS}] "
+                                 "(top alternatives per token)")
         if self.kv_prune is not None and self.kv_prune is not False:
             from ..config import KVPruneConfig
 

@@ -71,10 +71,20 @@ class Sequence:
     spec_lookahead: int = 0  # proposals the next step may verify (set by SpeculativeDecoder.plan)
     # SamplingParams.logprobs set: one runtime/logprobs.TokenLogprob per output token (else None)
     logprobs: list | None = None
+    # SamplingParams.prompt_logprobs set: a TokenLogprob for each prompt token after the first, as far as
+    # the prefill has scored them (entry j: token j + 1, from the logits at position j); else None
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token that needs a logprob has one (always true without prompt_logprobs)."""
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_ids) - 1
 
     @property
     def all_ids(self) -> list[int]:

@@ -13,6 +13,16 @@ class ScheduledSeq:
     lookahead: int = 0  # KV slots reserved after them for proposals (speculative decoding)
     draft: list[int] = field(default_factory=list)  # the proposals verified this step (<= lookahead)
     draft_probs: object = None  # the proposer's q [len(draft), vocab], or None (one-hot)
+    # positions of this chunk whose logits score the next prompt token (SamplingParams.prompt_logprobs,
+    # runtime/prompt_logprobs.py); fixed when the step is planned, before num_computed moves
+    scored: range = field(init=False, default=range(0))
+
+    def __post_init__(self) -> None:
+        seq = self.seq
+        if seq.prompt_logprobs is not None:
+            start = seq.num_computed
+            self.scored = range(max(start, len(seq.prompt_logprobs)),
+                                min(start + self.num_tokens, len(seq.prompt_ids) - 1))
 
 
 @dataclass

@@ -10,7 +10,8 @@ in ``data: [DONE]``. A client that goes away (streamed or not) aborts its reques
 ``max_queue`` requests waiting for their first token, new ones get 429 + ``Retry-After``.
 Errors are OpenAI-shaped JSON; a failing request never affects the others. Logprobs, when
 asked for, ride on each choice (and each streamed chunk) in OpenAI's shapes
-(:mod:`~devin_compile.text.logprob_format`). With a :class:`~devin_compile.serve.tracing.Tracing`
+(:mod:`~devin_compile.text.logprob_format`); completions ``echo`` puts the prompt (and its logprobs)
+first, and vLLM's ``prompt_logprobs`` rides on each completions choice (chat: on the response). With a :class:`~devin_compile.serve.tracing.Tracing`
 whose ``trace_steps`` is on, the first traced request adds a step hook to the engine and every
 engine step gets child spans under the requests it ran.
 """
@@ -208,11 +209,14 @@ class Server:
             for p, prompt in enumerate(req.prompts):
                 ids = self._prompt_ids(prompt, chat)
                 # OpenAI's default max_tokens: whatever room the context (and here the KV pool) leaves
-                max_tokens = req.max_tokens if req.max_tokens is not None else engine.admission.token_limit - len(ids)
+                max_tokens = req.max_tokens if req.max_tokens is not None else \
+                    max(engine.admission.token_limit - len(ids), 1)
+                echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else None
                 for i in range(req.n):
-                    params = SamplingParams(max_new_tokens=max(max_tokens, 1), **req.sampling_kwargs(i))
+                    params = SamplingParams(max_new_tokens=max_tokens, **req.sampling_kwargs(i))
                     engine.check_request(ids, params)
-                    out.append(Choice(p * req.n + i, ids, params, TextStream(self.tokenizer, ids, req.stop)))
+                    out.append(Choice(p * req.n + i, ids, params, TextStream(self.tokenizer, ids, req.stop),
+                                      echo=echo))
         except RequestRejected as e:
             raise bad(fields.get(e.param, e.param), str(e)) from None
         return out
@@ -233,21 +237,31 @@ class Server:
             return None
         if chat:
             return self.logprobs.chat(entries or [])
-        body, c.text_offset = self.logprobs.completion(entries or [], c.text_offset)
+        body, c.text_offset = self.logprobs.completion(entries or [], c.text_offset, req.logprobs)
         return body
 
     def _body(self, gen: Generation, req: GenerationRequest, chat: bool) -> dict:
         def lps(c: Choice):
-            return self._logprobs(c, c.output.logprobs if c.output is not None else None, req, chat)
+            entries = c.output.logprobs if c.output is not None else None
+            if c.echo is not None and c.prompt_logprobs is not None and req.logprobs is not None:
+                entries = c.echo_entries() + (entries or [])
+            return self._logprobs(c, entries, req, chat)
 
+        def prompt_lps(c: Choice) -> dict:  # vLLM's prompt_logprobs, when asked
+            k = req.prompt_logprobs
+            return {} if k is None else {"prompt_logprobs": self.logprobs.prompt(c.prompt_logprobs or [], k)}
+
+        body = {"id": gen.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
         if chat:
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                        "logprobs": lps(c), "finish_reason": c.finish_reason} for c in gen.choices]
+            body["choices"] = [{"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+                                "logprobs": lps(c), "finish_reason": c.finish_reason} for c in gen.choices]
+            body.update(prompt_lps(gen.choices[0]))  # vLLM: one list for the request (every choice's prompt)
         else:
-            choices = [{"index": c.index, "text": c.text.text, "logprobs": lps(c), "finish_reason": c.finish_reason}
-                       for c in gen.choices]
-        return {"id": gen.request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": gen.usage()}
+            body["choices"] = [{"index": c.index, "text": (c.echo or "") + c.text.text, "logprobs": lps(c),
+                                "finish_reason": c.finish_reason, **prompt_lps(c)} for c in gen.choices]
+        body["usage"] = gen.usage()
+        return body
 
     def _chunk(self, gen: Generation, req: GenerationRequest, chat: bool, choices: list, usage=None) -> str:
         body = {"id": gen.request_id, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -5,7 +5,8 @@ iterates :meth:`AsyncEngine.outputs`, detokenises incrementally with stop string
 (:class:`~devin_compile.text.detokenizer.TextStream`) and puts ``(choice, delta, finish,
 logprobs)`` events on one queue, which :meth:`events` yields in arrival order (``logprobs``: the
 :class:`~devin_compile.runtime.logprobs.TokenLogprob` of the tokens since the choice's last event,
-when the request asked for them, so a stream carries each token's logprob exactly once). A stop
+when the request asked for them, so a stream carries each token's logprob exactly once). Under
+``echo`` the choice's first event starts with the prompt's text and its prompt logprobs. A stop
 string ends its choice at once (its engine request is aborted, its KV blocks freed). :meth:`close` cancels
 whatever still runs: that is how a client that went away, a ``timeout`` or shutdown
 aborts the request. Invariant: every engine request a Generation starts is finished or
@@ -37,10 +38,16 @@ class Choice:
     recorded: bool = False
     pending: list = field(default_factory=list)  # TokenLogprobs not yet sent with an event
     text_offset: int = 0  # completions logprobs: characters of token strings sent so far
+    echo: str | None = None  # completions echo: the prompt's text, sent before the completion
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs, when the prompt is scored
 
     @property
     def completion_tokens(self) -> int:
         return len(self.output.output_ids) if self.output is not None else 0
+
+    def echo_entries(self) -> list:
+        """The echoed prompt's logprob entries: its first token (an id: no logprob), then each scored token."""
+        return [self.prompt_ids[0], *self.prompt_logprobs[1:]]
 
 
 @dataclass
@@ -71,14 +78,16 @@ class Generation:
         agen = self.server.engine.outputs(c.prompt_ids, c.params, self._engine_id(c))
         try:
             async for out in agen:
-                if c.queued:
+                prefix = ""
+                if c.queued:  # the first output
                     self._dequeue(c)
+                    prefix = self._echo(c, out)
                 c.output = out
                 if out.new_logprobs:
                     c.pending.extend(out.new_logprobs)
                 if out.new_ids and c.first_token is None:
                     c.first_token = time.perf_counter()
-                delta = c.text.add(out.new_ids)
+                delta = prefix + c.text.add(out.new_ids)
                 if c.text.stopped:
                     self._put(c, delta, "stop")
                     return
@@ -98,6 +107,17 @@ class Generation:
                 self._dequeue(c)
             await agen.aclose()  # aborts the engine request unless it finished
             self._record(c)
+
+    @staticmethod
+    def _echo(c: Choice, out) -> str:
+        """Choice ``c``'s first output: keep its prompt logprobs; under ``echo`` the prompt's text (and
+        its logprobs, when asked) lead the choice's first event."""
+        c.prompt_logprobs = out.prompt_logprobs
+        if c.echo is None:
+            return ""
+        if c.params.logprobs is not None and c.prompt_logprobs is not None:
+            c.pending.extend(c.echo_entries())
+        return c.echo
 
     def _dequeue(self, c: Choice) -> None:
         c.queued = False

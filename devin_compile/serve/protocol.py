@@ -4,12 +4,15 @@ Every field is checked by name and type before anything is queued; a bad one is 
 :class:`APIError` (400 unless said otherwise) whose ``param`` names it, e.g.
 ``{"error": {"message": "max_tokens must be an integer >= 1, got -3", "type":
 "invalid_request_error", "param": "max_tokens", "code": null}}``. Options the engine
-cannot honour (``echo``, penalties, ``logit_bias``, ``best_of`` > n, ``suffix``) are refused
-as not supported rather than ignored. Logprobs: completions ``logprobs: k`` (0..20), chat
-``logprobs: true`` with ``top_logprobs: k``. devin-compile's own options ride in the body as
-extra fields, as vLLM does: ``kv_prune`` (false or a KVPruneConfig dict), ``speculative``
-(false, true or ``{"num_tokens", "acceptance_threshold", "adaptive"}``), ``ignore_eos``,
-``top_k`` and ``timeout`` (seconds for this request).
+cannot honour (penalties, ``logit_bias``, ``best_of`` > n, ``suffix``, ``echo`` on chat) are
+refused as not supported rather than ignored. Logprobs: completions ``logprobs: k`` (0..20), chat
+``logprobs: true`` with ``top_logprobs: k``. Completions ``echo: true`` returns the prompt before the
+completion (with ``logprobs``, the prompt tokens' logprobs too, the first null); ``max_tokens: 0``
+is allowed only when the prompt is scored (``echo`` with ``logprobs``, or ``prompt_logprobs``).
+devin-compile's own options ride in the body as extra fields, as vLLM does: ``prompt_logprobs: k``
+(vLLM's per-position dicts; not with ``stream``), ``kv_prune`` (false or a KVPruneConfig dict),
+``speculative`` (false, true or ``{"num_tokens", "acceptance_threshold", "adaptive"}``),
+``ignore_eos``, ``top_k`` and ``timeout`` (seconds for this request).
 """
 from __future__ import annotations
 
@@ -116,6 +119,14 @@ class GenerationRequest:
     speculative: Any = None  # None | bool | SpeculativeRequest
     logprobs: int | None = None  # top alternatives per token (None: no logprobs)
     timeout: float | None = None
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    prompt_logprobs: int | None = None  # vLLM's extra field: top alternatives per prompt token
+
+    @property
+    def scored_prompt(self) -> int | None:
+        """Alternatives per prompt token the engine computes (None: the prompt is not scored)."""
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(ks) if ks else None
 
     def sampling_kwargs(self, choice: int) -> dict:
         """``SamplingParams`` fields for choice ``choice`` (seeded choices get seed + choice)."""
@@ -123,12 +134,14 @@ class GenerationRequest:
         return dict(do_sample=sample, temperature=self.temperature if sample else 1.0, top_p=self.top_p,
                     top_k=self.top_k, seed=None if self.seed is None else self.seed + choice,
                     ignore_eos=self.ignore_eos, kv_prune=self.kv_prune, speculative=self.speculative,
-                    logprobs=self.logprobs)
+                    logprobs=self.logprobs, prompt_logprobs=self.scored_prompt)
 
 
 def _unsupported(body: dict, chat: bool) -> None:
+    if chat and body.get("echo") not in (None, False):
+        raise bad("echo", "echo is only for /v1/completions (it returns the prompt before the completion); "
+                          "leave it out of chat requests")
     checks = [
-        ("echo", lambda v: v not in (None, False)),
         ("suffix", lambda v: v not in (None, "")),
         ("presence_penalty", lambda v: v not in (None, 0, 0.0)),
         ("frequency_penalty", lambda v: v not in (None, 0, 0.0)),
@@ -228,7 +241,7 @@ def parse_request(body: dict, chat: bool) -> GenerationRequest:
         max_tokens = _opt_int(body, name, None, 1)
     else:
         prompts = _prompts(body)
-        max_tokens = _opt_int(body, "max_tokens", 16, 1)
+        max_tokens = _opt_int(body, "max_tokens", 16, 0)
     so = body.get("stream_options")
     if so is not None and not (isinstance(so, dict) and isinstance(so.get("include_usage", False), bool)):
         raise bad("stream_options", "stream_options must be an object like {'include_usage': true}")
@@ -248,6 +261,18 @@ def parse_request(body: dict, chat: bool) -> GenerationRequest:
         top_k=_opt_int(body, "top_k", 0, -1), seed=seed, stop=_stop(body), n=_opt_int(body, "n", 1, 1, MAX_N),
         stream=stream, include_usage=bool(so and so.get("include_usage")),
         ignore_eos=opt_bool(body, "ignore_eos", False), kv_prune=kv_prune, speculative=_speculative(body),
-        logprobs=_logprobs(body, chat), timeout=None if timeout is None else float(timeout))
+        logprobs=_logprobs(body, chat), timeout=None if timeout is None else float(timeout),
+        echo=opt_bool(body, "echo", False), prompt_logprobs=_opt_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS))
     req.top_k = max(req.top_k, 0)  # vLLM's -1 (off) is 0 here
+    _check_scoring(req)
     return req
+
+
+def _check_scoring(req: GenerationRequest) -> None:
+    """``max_tokens: 0`` only scores a prompt; ``prompt_logprobs`` comes whole, never streamed (as in vLLM)."""
+    if req.max_tokens == 0 and req.scored_prompt is None:
+        raise bad("max_tokens", "max_tokens must be an integer >= 1, got 0 (0 only scores the prompt: send echo: "
+                                "true with logprobs, or prompt_logprobs)")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad("prompt_logprobs", "prompt_logprobs is not available with stream: true; send the request "
+                                     "unstreamed (or use echo: true with logprobs, which streams)")

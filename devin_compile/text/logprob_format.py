@@ -5,7 +5,9 @@
   OpenAI documents); ``text_offset`` is each token's character offset in the completion text,
   counting token strings (a stream carries the offset on from chunk to chunk);
 - chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
-  "bytes"}]}]}`` with exactly k alternatives.
+  "bytes"}]}]}`` with exactly k alternatives;
+- vLLM's ``prompt_logprobs``: per prompt position ``null`` (the first) or
+  ``{token id: {"logprob", "rank", "decoded_token"}}`` holding the prompt token and k alternatives.
 
 A token's string is the tokenizer's decoding of that token alone (a byte-level piece of a
 multi-byte character decodes to U+FFFD), ``bytes`` its UTF-8 encoding.
@@ -24,20 +26,39 @@ class LogprobFormatter:
             s = self._pieces[token_id] = self.tokenizer.decode([token_id])
         return s
 
-    def completion(self, entries: list, offset: int = 0) -> tuple[dict, int]:
-        """(the legacy ``logprobs`` object of ``entries``, the text offset after them)."""
-        tokens, offsets = [], []
+    def completion(self, entries: list, offset: int = 0, k: int | None = None) -> tuple[dict, int]:
+        """(the legacy ``logprobs`` object of ``entries``, the text offset after them). An ``int`` entry
+        is a token without a logprob (the prompt's first under ``echo``): null logprob and alternatives.
+        ``k``: keep each entry's first k alternatives (None: all it has)."""
+        tokens, offsets, lps, tops = [], [], [], []
         for e in entries:
-            tokens.append(self.piece(e.token_id))
+            scored = not isinstance(e, int)
+            tokens.append(self.piece(e.token_id if scored else e))
             offsets.append(offset)
             offset += len(tokens[-1])
-        tops = []
-        for e in entries:
-            top = {self.piece(t): lp for t, lp in e.top}
-            top.setdefault(self.piece(e.token_id), e.logprob)
+            lps.append(e.logprob if scored else None)
+            top = None
+            if scored:
+                top = {self.piece(t): lp for t, lp in e.top[:k]}
+                top.setdefault(tokens[-1], e.logprob)
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-                "text_offset": offsets}, offset
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def prompt(self, entries: list, k: int) -> list:
+        """vLLM's ``prompt_logprobs`` of ``RequestOutput.prompt_logprobs`` (None first), k alternatives each."""
+        out: list = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(e.token_id): self._ranked(e.token_id, e.logprob, e.rank)}
+            for r, (t, lp) in enumerate(e.top[:k]):
+                d.setdefault(str(t), self._ranked(t, lp, r + 1))
+            out.append(d)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.piece(token_id)}
 
     def _item(self, token_id: int, logprob: float) -> dict:
         s = self.piece(token_id)

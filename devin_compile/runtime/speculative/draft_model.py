@@ -60,6 +60,7 @@ class DraftModelProposer:
         ds = self.seqs.get(target.request_id)
         if ds is None:
             ds = self.seqs[target.request_id] = Sequence(target.request_id, [], target.params)
+            ds.prompt_logprobs = None  # the target scores its prompt; the draft only proposes
         tokens = target.all_ids
         # keep what the draft read of the target's tokens, and leave it at least one to read
         keep = min(ds.num_computed, _common_prefix(ds.all_ids, tokens), len(tokens) - 1)
