@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import KVPruneConfig, SpeculativeRequest
+from ..validation import from_mapping
 from ..runtime.logprobs import MAX_LOGPROBS
 
-MAX_N = 16
 MAX_STOP = 16
 
 
@@ -126,6 +126,10 @@ class GenerationRequest:
                     logprobs=self.logprobs)
 
 
+_UNSUPPORTED_HINT = {"response_format": " (only {\"type\": \"text\"})", "tools": " (no tool calls)",
+                     "suffix": " (no insertion)"}
+
+
 def _unsupported(body: dict, chat: bool) -> None:
     checks = [
         ("echo", lambda v: v not in (None, False)),
@@ -139,11 +143,11 @@ def _unsupported(body: dict, chat: bool) -> None:
     ]
     for name, refused in checks:
         if name in body and refused(body[name]):
-            raise bad(name, f"{name} is not supported by devin-compile's server (its sampler does not provide it); "
-                            "leave it out")
+            raise bad(name, f"this server does not support {name}{_UNSUPPORTED_HINT.get(name, '')}; leave it out")
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
-        raise bad("best_of", "best_of is not supported (each choice is returned); use n instead")
+        raise bad("best_of", "this server does not support best_of other than n (it returns every choice); "
+                             "use n instead")
 
 
 def _prompts(body: dict) -> list:
@@ -196,9 +200,9 @@ def _speculative(body: dict):
         raise bad("speculative", "speculative must be false, true or an object like {\"num_tokens\": 4, "
                                  f"\"acceptance_threshold\": 0.3}}, got {v!r}")
     try:
-        return SpeculativeRequest.coerce(v)
+        return from_mapping(SpeculativeRequest, v, "speculative") if isinstance(v, dict) else v
     except (ValueError, TypeError) as e:
-        raise bad("speculative", f"speculative: {e}") from None
+        raise bad("speculative", str(e)) from None
 
 
 def _kv_prune(body: dict):
@@ -245,7 +249,7 @@ def parse_request(body: dict, chat: bool) -> GenerationRequest:
     req = GenerationRequest(
         model=model, prompts=prompts, max_tokens=max_tokens,
         temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0), top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, True),
-        top_k=_opt_int(body, "top_k", 0, -1), seed=seed, stop=_stop(body), n=_opt_int(body, "n", 1, 1, MAX_N),
+        top_k=_opt_int(body, "top_k", 0, -1), seed=seed, stop=_stop(body), n=_opt_int(body, "n", 1, 1),
         stream=stream, include_usage=bool(so and so.get("include_usage")),
         ignore_eos=opt_bool(body, "ignore_eos", False), kv_prune=kv_prune, speculative=_speculative(body),
         logprobs=_logprobs(body, chat), timeout=None if timeout is None else float(timeout))
