@@ -39,7 +39,8 @@ def opt():
 
 @pytest.fixture(scope="module")
 def guarded():
-    with running_server(tiny_chat_opt(num_kv_blocks=64, max_num_seqs=8), MODEL, api_keys=KEYS, limits=SMALL, access_log=True) as srv:
+    opt = tiny_chat_opt(num_kv_blocks=64, max_num_seqs=8)
+    with running_server(opt, MODEL, api_keys=KEYS, limits=SMALL, access_log=True) as srv:
         yield srv
 
 
@@ -91,10 +92,10 @@ def test_every_guarded_path_needs_one_of_the_keys(guarded, path, body):
 
 def test_health_and_metrics_stay_open_and_the_openai_client_sends_its_key(guarded):
     assert get(guarded, "/health") == 200 and get(guarded, "/metrics") == 200
-    ok = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEYS[1], max_retries=0, timeout=60)
-    assert ok.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
-    with pytest.raises(openai.AuthenticationError, match="invalid API key"):
-        openai_client(guarded).models.list()
+    with openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEYS[1], max_retries=0, timeout=60) as ok:
+        assert ok.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    with openai_client(guarded) as wrong, pytest.raises(openai.AuthenticationError, match="invalid API key"):
+        wrong.models.list()
 
 
 def test_metrics_auth_puts_metrics_behind_the_key(opt):
@@ -135,8 +136,8 @@ def test_body_over_the_limit_is_a_413_announced_or_streamed(guarded):
     assert post(guarded, "/tokenize", {"prompt": "y" * 3000}, headers=bearer(KEYS[0]))[0] == 413
     with socket.create_connection(_addr(guarded), timeout=30) as s:  # chunked: no Content-Length to read
         chunk = b"3e8\r\n" + b" " * 1000 + b"\r\n"
-        status, body = _exchange(s, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                                    b"Authorization: Bearer " + KEYS[0].encode() + b"\r\n\r\n" + chunk * 3 + b"0\r\n\r\n")
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nAuthorization: Bearer "
+        status, body = _exchange(s, head + KEYS[0].encode() + b"\r\n\r\n" + chunk * 3 + b"0\r\n\r\n")
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
     assert post(guarded, *GUARDED[0], headers=bearer(KEYS[0]))[0] == 200
 
@@ -170,9 +171,19 @@ async def _wait(cond, limit_s: float = 10.0) -> None:
 
 def test_connections_past_the_limit_get_503_until_one_closes(guarded):
     health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-    held = [socket.create_connection(_addr(guarded), timeout=30) for _ in range(SMALL.max_connections)]
+    held: list[socket.socket] = []
+
+    def seat() -> bool:  # a connection that was served (a 503 closes it): earlier tests' may still be closing
+        s = socket.create_connection(_addr(guarded), timeout=30)
+        if _exchange(s, health)[0] == 200:
+            held.append(s)
+            return True
+        s.close()
+        return False
+
     try:
-        assert [_exchange(s, health)[0] for s in held] == [200] * SMALL.max_connections
+        for _ in range(SMALL.max_connections):
+            asyncio.run(_wait(seat))
         with socket.create_connection(_addr(guarded), timeout=30) as extra:
             assert _exchange(extra, health)[0] == 503
         held.pop().close()
@@ -193,9 +204,9 @@ def test_access_log_line_per_request_with_tokens_status_and_latency(guarded, cap
     caplog.set_level(logging.INFO, logger=LOGGER)
     code, _, r = post(guarded, "/v1/completions", {"model": MODEL, "prompt": "Tell me", "max_tokens": 4,
                                                    "ignore_eos": True}, headers=bearer(KEYS[0]))
-    client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEYS[0], max_retries=0, timeout=60)
-    list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, stream=True,
-                                        extra_body={"ignore_eos": True}))
+    with openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEYS[0], max_retries=0, timeout=60) as client:
+        list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, stream=True,
+                                            extra_body={"ignore_eos": True}))
     assert code == 200
     post(guarded, "/v1/nowhere", {}, headers=bearer(KEYS[0]))
     post(guarded, "/v1/models", None)
