@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app (Starlette): ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, vLLM's ``/tokenize`` and ``/detokenize`` (:mod:`.tokenizer_endpoints`), ``/health``, ``/metrics``.
+``/v1/models``, vLLM's ``/tokenize`` and ``/detokenize`` (:mod:`.tokenizer_endpoints`), ``/health``, ``/metrics``
+and ``/openapi.json`` (:mod:`.openapi`).
 
 :class:`Server` owns an :class:`~devin_compile.runtime.async_engine.AsyncEngine` over an
 ``OptimizedModel``'s engine (started and closed by the app's lifespan). A request is parsed
@@ -43,8 +44,10 @@ from .generation import Choice, Generation
 from ..text.logprob_format import LogprobFormatter
 from .limits import BodyLimit, ServeLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .openapi import openapi_document
 from .protocol import APIError, GenerationRequest, bad, check_model, parse_json, parse_request
 from .refusals import http_refusal
+from .request_fields import Facts
 from .tokenizer_endpoints import detokenize, tokenize
 from ..text.chat_template import chat_prompt_ids
 
@@ -76,6 +79,8 @@ class Server:
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
         self.auth = BearerKeys(api_keys, metrics_auth) if api_keys else None
+        self.metrics_auth = metrics_auth
+        self._openapi = None  # built on first GET /openapi.json
         self.app = self._build_app(access_log)
 
     def _build_app(self, access_log: bool) -> Starlette:
@@ -92,6 +97,7 @@ class Server:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
         ], middleware=middleware, lifespan=self._lifespan, exception_handlers={
             HTTPException: self._http_error, APIError: self._api_error, Exception: self._internal_error})
 
@@ -137,9 +143,17 @@ class Server:
                                            type="not_found_error"))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            facts = Facts(self.model_name, self.opt.engine.admission.vocab_size, self.limits.max_n,
+                          self.limits.max_tokens)
+            self._openapi = openapi_document(facts, auth=self.auth is not None, metrics_auth=self.metrics_auth)
+        return JSONResponse(self._openapi)
+
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error"))
+                                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error",
+                                       headers=exc.headers))  # e.g. 405's Allow
 
     async def _api_error(self, request: Request, exc: APIError) -> Response:
         return error_response(exc)

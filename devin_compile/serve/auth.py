@@ -1,7 +1,7 @@
 """API keys: ``Authorization: Bearer KEY`` on every request but the open paths, checked by
 Starlette's ``AuthenticationMiddleware`` with :class:`BearerKeys` as its backend.
 
-Open without a key: ``/health`` and (unless ``metrics_auth``) ``/metrics``;
+Open without a key: ``/health``, ``/openapi.json`` and (unless ``metrics_auth``) ``/metrics``;
 everything else, every ``/v1/*`` path, ``/tokenize`` and ``/detokenize`` included, answers 401
 in OpenAI's error shape without one of the keys. Keys are kept only as SHA-256 digests and
 compared with :func:`hmac.compare_digest` against every key (no early exit), so neither the
@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from .protocol import APIError
 
 ENV_KEY = "DEVIN_API_KEY"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 
 
 def check_key(key: str) -> str:

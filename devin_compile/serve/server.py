@@ -2,8 +2,8 @@
 :class:`BackgroundServer` (a thread, for tests, benchmarks and notebooks).
 
 uvicorn serves the Starlette app, with at most ``max_connections`` open connections at once
-(uvicorn's ``limit_concurrency``: a request on one more is answered 503). On SIGTERM it stops accepting connections, lets the
-requests in flight finish for up to ``shutdown_timeout`` seconds, then cancels the rest
+(uvicorn's ``limit_concurrency``: a request on one more is answered 503). On SIGTERM it stops
+accepting connections, lets the requests in flight finish for up to ``shutdown_timeout`` seconds, then cancels the rest
 (each aborts its engine request); the app's lifespan closes the engine thread, and
 :func:`serve` returns normally (the CLI exits 0).
 """
