@@ -68,12 +68,13 @@ def tiny_chat_opt(**options):
 
 
 @contextlib.contextmanager
-def running_server(opt, model_name: str, tracing=None):
-    """A :class:`~devin_compile.serve.app.Server` on 127.0.0.1 (an ephemeral port), ``.url`` set."""
+def running_server(opt, model_name: str, tracing=None, **options):
+    """A :class:`~devin_compile.serve.app.Server` (``options``: its keyword arguments) on 127.0.0.1
+    (an ephemeral port), ``.url`` set."""
     from devin_compile.serve.app import Server
     from devin_compile.serve.server import BackgroundServer
 
-    srv = Server(opt, model_name)
+    srv = Server(opt, model_name, **options)
     if tracing is not None:
         srv.tracing = tracing
     with BackgroundServer(srv) as bg:
@@ -87,10 +88,12 @@ def openai_client(server):
     return OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
-def post(server, path: str, body, raw: bool = False):
-    """(status, headers, JSON body) of a POST; ``raw``: ``body`` is sent as given (bytes)."""
-    data = body if raw else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+def post(server, path: str, body, raw: bool = False, headers: dict | None = None):
+    """(status, headers, JSON body) of a POST (a GET when ``body`` is None); ``raw``: ``body`` is sent
+    as given (bytes); ``headers``: sent as well."""
+    data = body if raw or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, r.headers, json.loads(r.read())

@@ -180,3 +180,24 @@ def test_attention_padding_waste_is_reported_and_bounded(opt):
     waste = engine.kv_stats()["attention_padding_waste"]
     one_rectangle = 1 - (3 + 40 + 5 + 90 + 60) / (5 * 90)  # what a single padded batch would waste at the start
     assert 0.0 <= waste < one_rectangle
+
+
+def test_async_engine_after_a_failed_step_refuses_new_requests_at_once(opt):  # noqa: F811
+    """A step that raises fails every waiting caller; later callers get that error at once rather
+    than waiting forever on a step thread that is gone."""
+    engine = make_engine(opt, 32)
+
+    def broken_step():
+        raise RuntimeError("kernel exploded")
+
+    engine.step = broken_step
+
+    async def main():
+        async with AsyncEngine(engine) as aeng:
+            with pytest.raises(RuntimeError, match="engine step failed: RuntimeError: kernel exploded"):
+                await asyncio.wait_for(aeng.generate(prompt_of(4, 90), greedy(3)), 30)
+            assert isinstance(aeng.error, RuntimeError)
+            with pytest.raises(RuntimeError, match="failed earlier .*kernel exploded"):
+                await asyncio.wait_for(aeng.generate(prompt_of(4, 91), greedy(3)), 30)
+
+    asyncio.run(main())

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
+from openai import AuthenticationError, BadRequestError, OpenAI
 
 from devin_compile.cli import common, main
 from serve_model import tiny_chat_folder
@@ -147,3 +147,70 @@ def test_serve_process_speculates_and_traces_steps(folder, tmp_path):
     assert all(s["context"]["trace_id"] == request["context"]["trace_id"] for s in steps)
     assert sum(s["attributes"]["devin.step.accepted_tokens"] for s in steps) > 0
     assert request["attributes"]["devin.spec.acceptance_rate"] > 0
+
+
+def test_serve_front_door_flags(monkeypatch, capsys):
+    """Keys from --api-key (repeatable) or else DEVIN_API_KEY, limits, the access log; a bad key or
+    --metrics-auth without one is refused before any model loads, and the key is not echoed."""
+    from devin_compile.cli import build_parser, serve as serve_cli
+    from devin_compile.serve.server import exposure_warning
+
+    p = build_parser("serve")
+    args = p.parse_args(["serve", "--api-key", "k-one", "--api-key", "k-two", "--max-n", "4", "--no-access-log"])
+    opts = serve_cli.server_options(args, environ={"DEVIN_API_KEY": "k-env"})
+    assert opts["api_keys"] == ["k-one", "k-two"] and opts["limits"].max_n == 4 and not opts["access_log"]
+    defaults = serve_cli.server_options(p.parse_args(["serve"]), environ={"DEVIN_API_KEY": "k-env"})
+    assert defaults["api_keys"] == ["k-env"] and defaults["access_log"] and defaults["metrics_auth"] is False
+    assert (defaults["limits"].max_body_bytes, defaults["limits"].max_prompt_tokens, defaults["limits"].max_tokens,
+            defaults["limits"].max_connections) == (1 << 20, 8192, 4096, 256)
+    with pytest.raises(ValueError, match="--metrics-auth needs an API key"):
+        serve_cli.server_options(p.parse_args(["serve", "--metrics-auth"]), environ={})
+    for bad in (["--api-key", "secret with spaces"], ["--max-connections", "0"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["serve", *bad])
+        err = capsys.readouterr().err
+        assert bad[0] in err and "secret" not in err
+    with pytest.raises(SystemExit):
+        p.parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--api-key", "--metrics-auth", "--max-body-bytes", "--max-prompt-tokens", "--max-n",
+                 "--max-tokens-limit", "--max-connections", "--no-access-log"):
+        assert flag in help_text
+    for host, key, warned in [("0.0.0.0", False, True), ("192.168.1.5", False, True), ("::", False, True),
+                              ("0.0.0.0", True, False), ("127.0.0.1", False, False), ("::1", False, False),
+                              ("localhost", False, False)]:
+        w = exposure_warning(host, key)
+        assert (w is not None) == warned and (w is None or "--api-key" in w)
+
+
+def test_serve_process_with_keys_logs_requests_and_never_the_keys(folder):
+    """--api-key beats DEVIN_API_KEY; 401 without it; an access-log line per request on stderr; neither
+    key appears anywhere in the process's output."""
+    flag_key, env_key = "sk-flag-7f3a9c", "sk-env-51d2e8"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DEVIN_API_KEY": env_key}
+    proc = subprocess.Popen([sys.executable, "-m", "devin_compile.cli", "serve", "--model", str(folder), "--port",
+                             "0", "--num-kv-blocks", "64", "--served-model-name", "tiny", "--api-key", flag_key],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        first = _read_until(proc, "serving tiny on http://127.0.0.1:", 240)
+        url = first.split(" on ", 1)[1].split()[0]
+        ok = OpenAI(base_url=url, api_key=flag_key, max_retries=0, timeout=60)
+        assert ok.completions.create(model="tiny", prompt="Tell me", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+        for key in (env_key, "wrong"):
+            with pytest.raises(AuthenticationError):
+                OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60).models.list()
+        with pytest.raises(BadRequestError):
+            ok.completions.create(model="tiny", prompt="x", max_tokens=0)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    log = [line for line in err.splitlines() if line.startswith("127.0.0.1:")]
+    assert [line.split()[1:4] for line in log] == [["POST", "/v1/completions", "200"], ["GET", "/v1/models", "401"],
+                                                  ["GET", "/v1/models", "401"], ["POST", "/v1/completions", "400"]]
+    assert log[0].split()[5].endswith("/3") and "warning" not in err  # loopback: no exposure warning
+    assert flag_key not in first + out + err and env_key not in first + out + err

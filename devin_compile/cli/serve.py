@@ -11,7 +11,10 @@ from . import common
 HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streaming, metrics)"
 DESCRIPTION = ("Load SmolLM2-135M-Instruct (or --model PATH), optimize it, and serve it on http://HOST:PORT with "
                "the OpenAI API: /v1/completions, /v1/chat/completions (stream with server-sent events), /v1/models, "
-               "/health and Prometheus /metrics. Any optimize() option can be given with --option KEY=VALUE or in "
+               "/tokenize, /detokenize, /health, Prometheus /metrics and /openapi.json. --api-key (or DEVIN_API_KEY) "
+               "requires a bearer key; the --max-* flags bound what one client may ask (413 past --max-body-bytes, "
+               "a 400 naming the field past the others, 503 past --max-connections); an access-log line per request "
+               "goes to stderr. Any optimize() option can be given with --option KEY=VALUE or in "
                "a JSON --config file; --speculative turns speculative decoding on (a request may turn it off or tune "
                "it with the extra body field \"speculative\"). SIGTERM or Ctrl-C stops accepting requests, lets those "
                "in flight finish for "
@@ -26,6 +29,16 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value
+
+
+def api_key(text: str) -> str:
+    """An argparse type for --api-key; its error never repeats the key."""
+    from ..serve.auth import check_key
+
+    try:
+        return check_key(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def option(text: str) -> tuple[str, object]:
@@ -72,6 +85,7 @@ def add_arguments(p) -> None:
                    help="requests waiting for their first token before new ones get 429 (default: no limit)")
     p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="S",
                    help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    add_front_door_arguments(p)
     p.add_argument("--no-metrics", action="store_true", help="turn off the Prometheus metrics (/metrics answers 404)")
     p.add_argument("--trace-file", metavar="FILE",
                    help="write an OpenTelemetry span per request to FILE as JSON lines (traces are also exported by "
@@ -81,6 +95,56 @@ def add_arguments(p) -> None:
                         "batch size, prefill/decode tokens, drafted/accepted tokens); costs a span per request "
                         "per step")
     p.set_defaults(fn=main)
+
+
+def add_front_door_arguments(p) -> None:
+    """API keys, per-request limits and the access log (defaults safe for a public port)."""
+    at_least_1 = common.int_at_least(1)
+    p.add_argument("--api-key", action="append", type=api_key, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (repeatable: any "
+                        "of the keys; default: the DEVIN_API_KEY variable, else no key); /health stays open")
+    p.add_argument("--metrics-auth", action="store_true", help="/metrics needs the API key too (default: open)")
+    p.add_argument("--max-body-bytes", type=at_least_1, default=1 << 20, metavar="N",
+                   help="largest request body; larger ones get 413 (default 1048576)")
+    p.add_argument("--max-prompt-tokens", type=at_least_1, default=8192, metavar="N",
+                   help="most prompt tokens in one request, summed over its prompts (default 8192)")
+    p.add_argument("--max-n", type=at_least_1, default=16, metavar="N", help="largest n a request may ask for "
+                                                                            "(default 16)")
+    p.add_argument("--max-tokens-limit", type=at_least_1, default=4096, metavar="N",
+                   help="largest max_tokens a request may ask for, and the most a chat request without one gets "
+                        "(default 4096)")
+    p.add_argument("--max-connections", type=at_least_1, default=256, metavar="N",
+                   help="most open connections; a request on one more gets 503 (default 256)")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="no access-log line per request on stderr (method, path, status, tokens, latency)")
+
+
+def server_options(args, environ=os.environ) -> dict:
+    """The Server's keyword arguments for API keys, limits and logging (checked before any model loads)."""
+    from ..serve.auth import keys_from
+    from ..serve.limits import ServeLimits
+
+    keys = keys_from(args.api_key, environ)
+    if args.metrics_auth and not keys:
+        raise ValueError("--metrics-auth needs an API key: give --api-key KEY or set DEVIN_API_KEY")
+    limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                         max_n=args.max_n, max_tokens=args.max_tokens_limit, max_connections=args.max_connections)
+    return dict(api_keys=keys, metrics_auth=args.metrics_auth, limits=limits, access_log=not args.no_access_log)
+
+
+def show_access_log() -> None:
+    """Access-log lines on stderr, as they are (no level or logger name)."""
+    import logging
+
+    from ..serve.access_log import LOGGER
+
+    log = logging.getLogger(LOGGER)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def optimize_options(args) -> dict:
@@ -132,6 +196,8 @@ def model_name(args) -> str:
 
 def main(args) -> int:
     options = optimize_options(args)
+    front_door = server_options(args)
+    from ..serve.server import exposure_warning
     from ..serve.tracing import OTLP_VARIABLES, make_tracing
 
     if args.trace_file is not None:
@@ -147,7 +213,13 @@ def main(args) -> int:
 
     tracing = make_tracing(args.trace_file, service_name=f"devin-compile {model_name(args)}",
                            trace_steps=args.trace_steps)
-    server = Server(opt, model_name(args), max_queue=args.max_queue, metrics=not args.no_metrics, tracing=tracing)
+    server = Server(opt, model_name(args), max_queue=args.max_queue, metrics=not args.no_metrics, tracing=tracing,
+                    **front_door)
+    if front_door["access_log"]:
+        show_access_log()
+    warning = exposure_warning(args.host, bool(front_door["api_keys"]))
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:
         print(f"serving {server.model_name} on {url}/v1 (Ctrl-C or SIGTERM to stop)", flush=True)

@@ -19,15 +19,18 @@ from .sampling import SamplingParams
 
 class RequestRejected(ValueError):
     """An invalid request; ``param`` names the input at fault: ``"prompt"``, ``"max_new_tokens"``,
-    ``"params"``, ``"speculative"``, ``"kv_prune"`` or ``"request_id"``."""
+    ``"params"``, ``"speculative"``, ``"kv_prune"`` or ``"request_id"``. The message speaks to a
+    Python caller; ``code`` and ``facts`` (the numbers in it) let another front door (the HTTP
+    server) say the same in its own words: ``"no_speculation"``, ``"no_kv_prune"``,
+    ``"context_exceeded"`` or ``"pool_exceeded"`` (None: the message suits any caller)."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str | None = None, **facts) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code, self.facts = param, code, facts
 
     def prefixed(self, prefix: str) -> "RequestRejected":
         """The same rejection with ``prefix`` before its message (e.g. which request of a batch)."""
-        return RequestRejected(f"{prefix}{self}", self.param)
+        return RequestRejected(f"{prefix}{self}", self.param, self.code, **self.facts)
 
 
 def check_params_type(params: object) -> None:
@@ -71,11 +74,12 @@ class AdmissionCheck:
         self.check_lengths(len(ids), params.max_new_tokens)
         if params.speculative not in (None, False) and not can_speculate:
             raise RequestRejected("SamplingParams.speculative is set but this model has no speculative decoding; "
-                                  "pass speculative={'method': 'ngram'} (or draft/head) to optimize()", "speculative")
+                                  "pass speculative={'method': 'ngram'} (or draft/head) to optimize()", "speculative",
+                                  "no_speculation")
         try:
             return resolve_request(self.kv_prune, params)
         except ValueError as e:
-            raise RequestRejected(str(e), "kv_prune") from None
+            raise RequestRejected(str(e), "kv_prune", "no_kv_prune" if self.kv_prune is None else None) from None
 
     def encode(self, prompt: str | Seq[int] | torch.Tensor) -> list[int]:
         """Token ids of a text (the tokenizer, no special tokens), a tensor or a list; checked."""
@@ -103,8 +107,10 @@ class AdmissionCheck:
         if total > self.max_model_len:
             raise RequestRejected(
                 f"prompt ({num_prompt}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the model's "
-                f"context of {self.max_model_len}; lower max_new_tokens or shorten the prompt", "max_new_tokens")
+                f"context of {self.max_model_len}; lower max_new_tokens or shorten the prompt", "max_new_tokens",
+                "context_exceeded", prompt=num_prompt, new=max_new_tokens, context=self.max_model_len)
         if total > self.pool_tokens:
             raise RequestRejected(
                 f"needs {total} KV slots but the whole KV pool holds {self.pool_tokens}; "
-                "raise kv_cache_memory / num_kv_blocks or lower max_new_tokens", "max_new_tokens")
+                "raise kv_cache_memory / num_kv_blocks or lower max_new_tokens", "max_new_tokens",
+                "pool_exceeded", prompt=num_prompt, new=max_new_tokens, pool=self.pool_tokens)

@@ -62,6 +62,9 @@ class AsyncEngine:
     def _ensure_thread(self) -> None:
         if self._closed:
             raise RuntimeError("AsyncEngine is closed")
+        if self._error is not None:  # the step thread is gone: nothing would ever answer
+            raise RuntimeError(f"the engine failed earlier ({type(self._error).__name__}: {self._error}); "
+                               "restart it")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="devin-engine", daemon=True)
             self._thread.start()

@@ -14,6 +14,7 @@ import torch
 from .logprobs import MAX_LOGPROBS
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+MIN_TEMPERATURE = 1e-30  # logits up to 3e8 divided by it stay finite in float32
 
 
 @dataclass
@@ -93,8 +94,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass *before* it already reaches top_p (always keeps the first)
+        # drop a token when the mass *before* it already reaches top_p; the first always stays (a top_p
+        # below float32's range compares as 0 and would otherwise drop every token)
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 
@@ -104,7 +107,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     top-p filtered float logits [V] (or [N, V], row by row)."""
     if logits.dim() == 2:
         return torch.stack([sampling_probs(row, params) for row in logits])
-    logits = _filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    # a temperature so small that logits / temperature would overflow float32 samples as it tends to: the
+    # top logit (ties shared)
+    temperature = max(params.temperature, MIN_TEMPERATURE)
+    logits = _filter_top_k_top_p(logits / temperature, params.top_k, params.top_p)
     return torch.softmax(logits, dim=-1)
 
 

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app (Starlette): ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, vLLM's ``/tokenize`` and ``/detokenize`` (:mod:`.tokenizer_endpoints`), ``/health``, ``/metrics``.
+``/v1/models``, vLLM's ``/tokenize`` and ``/detokenize`` (:mod:`.tokenizer_endpoints`), ``/health``, ``/metrics``
+and ``/openapi.json`` (:mod:`.openapi`).
 
 :class:`Server` owns an :class:`~devin_compile.runtime.async_engine.AsyncEngine` over an
 ``OptimizedModel``'s engine (started and closed by the app's lifespan). A request is parsed
@@ -8,7 +9,10 @@ tokenizer's chat template) and checked by the engine's admission check, then run
 :class:`~devin_compile.serve.generation.Generation`. Streams are server-sent events ending
 in ``data: [DONE]``. A client that goes away (streamed or not) aborts its request; with
 ``max_queue`` requests waiting for their first token, new ones get 429 + ``Retry-After``.
-Errors are OpenAI-shaped JSON; a failing request never affects the others. Logprobs, when
+Errors are OpenAI-shaped JSON; a failing request never affects the others. In front of the
+routes: the access log (:mod:`.access_log`), API keys (:mod:`.auth`) and the body limit
+(:mod:`.limits`, with the per-request limits checked here); admission refusals are worded for
+HTTP users by :mod:`.refusals`. Logprobs, when
 asked for, ride on each choice (and each streamed chunk) in OpenAI's shapes
 (:mod:`~devin_compile.text.logprob_format`); completions ``echo`` puts the prompt (and its logprobs)
 first, and vLLM's ``prompt_logprobs`` rides on each completions choice (chat: on the response). With a :class:`~devin_compile.serve.tracing.Tracing`
@@ -25,6 +29,8 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,10 +39,16 @@ from ..runtime.admission import RequestRejected
 from ..runtime.async_engine import AsyncEngine
 from ..runtime.sampling import SamplingParams
 from ..text.detokenizer import TextStream
+from .access_log import AccessLog
+from .auth import BearerKeys, unauthorized
 from .generation import Choice, Generation
 from ..text.logprob_format import LogprobFormatter
+from .limits import BodyLimit, ServeLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .openapi import openapi_document
 from .protocol import APIError, GenerationRequest, bad, check_model, parse_json, parse_request
+from .refusals import http_refusal
+from .request_fields import Facts
 from .tokenizer_endpoints import detokenize, tokenize
 from ..text.chat_template import chat_prompt_ids
 
@@ -49,13 +61,17 @@ class Server:
     """``opt``: an OptimizedModel with a tokenizer; ``model_name``: the id clients send as ``model``."""
 
     def __init__(self, opt, model_name: str = "smollm2", *, max_queue: int | None = None,
-                 metrics: bool = True, tracing=None) -> None:
+                 metrics: bool = True, tracing=None, api_keys=(), metrics_auth: bool = False,
+                 limits: ServeLimits | None = None, access_log: bool = False) -> None:
         if opt.tokenizer is None:
             raise ValueError("the server needs a tokenizer: pass tokenizer= to optimize()")
+        if metrics_auth and not api_keys:
+            raise ValueError("metrics_auth (--metrics-auth) needs an API key (--api-key or DEVIN_API_KEY)")
         self.opt = opt
         self.tokenizer = opt.tokenizer
         self.model_name = model_name
         self.max_queue = max_queue
+        self.limits = limits if limits is not None else ServeLimits()
         self.engine = AsyncEngine(opt.engine)
         self.queued = 0  # engine requests submitted that have no token yet
         self.metrics = ServerMetrics(opt.engine, lambda: self.queued) if metrics else None
@@ -63,7 +79,18 @@ class Server:
         self._step_hook = False  # added to the engine by the first request traced with trace_steps
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
-        self.app = Starlette(routes=[
+        self.auth = BearerKeys(api_keys, metrics_auth) if api_keys else None
+        self.metrics_auth = metrics_auth
+        self._openapi = None  # built on first GET /openapi.json
+        self.app = self._build_app(access_log)
+
+    def _build_app(self, access_log: bool) -> Starlette:
+        """The routes behind the middleware: access log (outermost), API keys, body limit."""
+        middleware = [Middleware(AccessLog)] if access_log else []
+        if self.auth is not None:
+            middleware.append(Middleware(AuthenticationMiddleware, backend=self.auth, on_error=unauthorized))
+        middleware.append(Middleware(BodyLimit, max_bytes=self.limits.max_body_bytes))
+        return Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -71,8 +98,9 @@ class Server:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
-        ], exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
-            lifespan=self._lifespan)
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+        ], middleware=middleware, lifespan=self._lifespan, exception_handlers={
+            HTTPException: self._http_error, APIError: self._api_error, Exception: self._internal_error})
 
     @asynccontextmanager
     async def _lifespan(self, app):
@@ -116,9 +144,20 @@ class Server:
                                            type="not_found_error"))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            facts = Facts(self.model_name, self.opt.engine.admission.vocab_size, self.limits.max_n,
+                          self.limits.max_tokens)
+            self._openapi = openapi_document(facts, auth=self.auth is not None, metrics_auth=self.metrics_auth)
+        return JSONResponse(self._openapi)
+
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error"))
+                                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error",
+                                       headers=exc.headers))  # e.g. 405's Allow
+
+    async def _api_error(self, request: Request, exc: APIError) -> Response:
+        return error_response(exc)
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
@@ -140,10 +179,12 @@ class Server:
             except ClientDisconnect:
                 self._done(endpoint, 499, None, None)
                 return Response(status_code=499)
-            req = parse_request(parse_json(raw), chat)
+            body = parse_json(raw)
+            req = parse_request(body, chat)
             if self.tracing is not None:
                 span = self.tracing.start(request.headers, req, chat, self.model_name, received)
             check_model(req.model, self.model_name)
+            self.limits.check(req, body)
             choices = self._choices(req, chat)
             if self.max_queue is not None and self.queued + len(choices) > self.max_queue:
                 raise APIError(429, f"the server's queue is full ({self.queued} requests waiting, --max-queue "
@@ -154,6 +195,7 @@ class Server:
             return error_response(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gen = Generation(self, rid, choices, n=req.n, timeout=req.timeout, received=received)
+        request.state.generation = gen  # its usage goes in the access log
         if span is not None and self.tracing.trace_steps:
             self._watch_steps(span, gen)
         if req.stream:
@@ -200,17 +242,20 @@ class Server:
 
     def _choices(self, req: GenerationRequest, chat: bool) -> list[Choice]:
         """The request's choices (prompt x ``n``), each checked by the engine's admission check
-        (its :class:`RequestRejected` becomes a 400 naming the request field at fault)."""
+        (its :class:`RequestRejected` becomes a 400 naming the request field at fault) after the
+        server's limit on prompt tokens per request."""
         engine = self.opt.engine
         field = "messages" if chat else "prompt"
-        fields = {"prompt": field, "max_new_tokens": "max_tokens"}  # engine input → request field
-        out = []
+        out, total = [], 0
         try:
             for p, prompt in enumerate(req.prompts):
                 ids = self._prompt_ids(prompt, chat)
-                # OpenAI's default max_tokens: whatever room the context (and here the KV pool) leaves
-                max_tokens = req.max_tokens if req.max_tokens is not None else \
-                    max(engine.admission.token_limit - len(ids), 1)
+                total += len(ids)
+                self.limits.check_prompt_tokens(total, field)
+                # OpenAI's default max_tokens: whatever room the context (and here the KV pool) leaves,
+                # up to this server's --max-tokens-limit
+                room = min(engine.admission.token_limit - len(ids), self.limits.max_tokens)
+                max_tokens = req.max_tokens if req.max_tokens is not None else max(room, 1)
                 echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else None
                 for i in range(req.n):
                     params = SamplingParams(max_new_tokens=max_tokens, **req.sampling_kwargs(i))
@@ -218,7 +263,7 @@ class Server:
                     out.append(Choice(p * req.n + i, ids, params, TextStream(self.tokenizer, ids, req.stop),
                                       echo=echo))
         except RequestRejected as e:
-            raise bad(fields.get(e.param, e.param), str(e)) from None
+            raise http_refusal(e, field) from None
         return out
 
     def _prompt_ids(self, prompt, chat: bool) -> list[int]:

@@ -3,16 +3,18 @@
 Every field is checked by name and type before anything is queued; a bad one is an
 :class:`APIError` (400 unless said otherwise) whose ``param`` names it, e.g.
 ``{"error": {"message": "max_tokens must be an integer >= 1, got -3", "type":
-"invalid_request_error", "param": "max_tokens", "code": null}}``. Options the engine
-cannot honour (penalties, ``logit_bias``, ``best_of`` > n, ``suffix``, ``echo`` on chat) are
-refused as not supported rather than ignored. Logprobs: completions ``logprobs: k`` (0..20), chat
-``logprobs: true`` with ``top_logprobs: k``. Completions ``echo: true`` returns the prompt before the
-completion (with ``logprobs``, the prompt tokens' logprobs too, the first null); ``max_tokens: 0``
-is allowed only when the prompt is scored (``echo`` with ``logprobs``, or ``prompt_logprobs``).
-devin-compile's own options ride in the body as extra fields, as vLLM does: ``prompt_logprobs: k``
-(vLLM's per-position dicts; not with ``stream``), ``kv_prune`` (false or a KVPruneConfig dict),
-``speculative`` (false, true or ``{"num_tokens", "acceptance_threshold", "adaptive"}``),
-``ignore_eos``, ``top_k`` and ``timeout`` (seconds for this request).
+"invalid_request_error", "param": "max_tokens", "code": null}}``. The fields an endpoint takes
+are those :mod:`.request_fields` lists for it (also its published schema); any other is a 400
+naming it. Options the engine cannot honour (penalties, ``logit_bias``, ``best_of`` > n,
+``suffix``, ``echo`` on chat) are refused as not supported rather than ignored. Logprobs:
+completions ``logprobs: k`` (0..20), chat ``logprobs: true`` with ``top_logprobs: k``. Completions
+``echo: true`` returns the prompt before the completion (with ``logprobs``, the prompt tokens'
+logprobs too, the first null); ``max_tokens: 0`` is allowed only when the prompt is scored (``echo``
+with ``logprobs``, or ``prompt_logprobs``). devin-compile's own options ride in the body as extra
+fields, as vLLM does: ``prompt_logprobs: k`` (vLLM's per-position dicts; not with ``stream``),
+``kv_prune`` (false or a KVPruneConfig dict), ``speculative`` (false, true or ``{"num_tokens",
+"acceptance_threshold", "adaptive"}``), ``ignore_eos``, ``top_k`` and ``timeout`` (seconds for this
+request).
 """
 from __future__ import annotations
 
@@ -22,10 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import KVPruneConfig, SpeculativeRequest
+from ..validation import from_mapping
 from ..runtime.logprobs import MAX_LOGPROBS
-
-MAX_N = 16
-MAX_STOP = 16
+from .request_fields import CHAT, COMPLETION, MAX_STOP, SEED_RANGE
 
 
 class APIError(Exception):
@@ -83,6 +84,13 @@ def _opt_num(body: dict, name: str, default: float, lo: float, hi: float, lo_ope
     return float(v)
 
 
+def check_fields(body: dict, allowed, what: str) -> None:
+    """A 400 naming the first field of ``body`` that ``allowed`` (names) does not hold."""
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise bad(unknown[0], f"{what} does not take {unknown[0]!r}; it takes {sorted(allowed)} (GET /openapi.json)")
+
+
 def check_model(model: str | None, served: str) -> None:
     """404 as OpenAI answers it unless ``model`` (None: not given) is the served one."""
     if model is not None and model != served:
@@ -137,26 +145,33 @@ class GenerationRequest:
                     logprobs=self.logprobs, prompt_logprobs=self.scored_prompt)
 
 
+_UNSUPPORTED_HINT = {"response_format": " (only {\"type\": \"text\"})", "tools": " (no tool calls)",
+                     "suffix": " (no insertion)"}
+
+
 def _unsupported(body: dict, chat: bool) -> None:
     if chat and body.get("echo") not in (None, False):
         raise bad("echo", "echo is only for /v1/completions (it returns the prompt before the completion); "
                           "leave it out of chat requests")
-    checks = [
+    checks = [  # refused unless None or the neutral value, compared with its JSON type (false is not 0)
         ("suffix", lambda v: v not in (None, "")),
-        ("presence_penalty", lambda v: v not in (None, 0, 0.0)),
-        ("frequency_penalty", lambda v: v not in (None, 0, 0.0)),
-        ("repetition_penalty", lambda v: v not in (None, 1, 1.0)),
+        ("presence_penalty", lambda v: v is not None and not (_is_num(v) and v == 0)),
+        ("frequency_penalty", lambda v: v is not None and not (_is_num(v) and v == 0)),
+        ("repetition_penalty", lambda v: v is not None and not (_is_num(v) and v == 1)),
         ("logit_bias", lambda v: v not in (None, {})),
         ("tools", lambda v: v not in (None, [])),
         ("response_format", lambda v: v not in (None, {"type": "text"})),
     ]
+    fields = CHAT if chat else COMPLETION  # a field the endpoint does not take was refused already
     for name, refused in checks:
-        if name in body and refused(body[name]):
-            raise bad(name, f"{name} is not supported by devin-compile's server (its sampler does not provide it); "
-                            "leave it out")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
-        raise bad("best_of", "best_of is not supported (each choice is returned); use n instead")
+        if name in fields and name in body and refused(body[name]):
+            raise bad(name, f"this server does not support {name}{_UNSUPPORTED_HINT.get(name, '')}; leave it out")
+    if chat:
+        return
+    best_of, n = body.get("best_of"), body.get("n")
+    if best_of is not None and not (_is_int(best_of) and best_of == (1 if n is None else n)):
+        raise bad("best_of", "this server does not support best_of other than n (it returns every choice); "
+                             "use n instead")
 
 
 def _prompts(body: dict) -> list:
@@ -209,9 +224,9 @@ def _speculative(body: dict):
         raise bad("speculative", "speculative must be false, true or an object like {\"num_tokens\": 4, "
                                  f"\"acceptance_threshold\": 0.3}}, got {v!r}")
     try:
-        return SpeculativeRequest.coerce(v)
+        return from_mapping(SpeculativeRequest, v, "speculative") if isinstance(v, dict) else v
     except (ValueError, TypeError) as e:
-        raise bad("speculative", f"speculative: {e}") from None
+        raise bad("speculative", str(e)) from None
 
 
 def _kv_prune(body: dict):
@@ -228,17 +243,20 @@ def _kv_prune(body: dict):
 
 
 def parse_request(body: dict, chat: bool) -> GenerationRequest:
+    check_fields(body, CHAT if chat else COMPLETION, "/v1/chat/completions" if chat else "/v1/completions")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required: a string naming the model (see GET /v1/models)")
     _unsupported(body, chat)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user", f"user must be a string (an id of your end user), got {body['user']!r}")
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise bad("messages", "messages is required: a non-empty list of {'role', 'content'} objects")
         prompts = [msgs]
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _opt_int(body, name, None, 1)
+        given = _opt_int(body, "max_tokens", None, 1)  # both checked; max_completion_tokens wins
+        max_tokens = _opt_int(body, "max_completion_tokens", given, 1)
     else:
         prompts = _prompts(body)
         max_tokens = _opt_int(body, "max_tokens", 16, 0)
@@ -252,13 +270,11 @@ def parse_request(body: dict, chat: bool) -> GenerationRequest:
     timeout = body.get("timeout")
     if timeout is not None and (not _is_num(timeout) or timeout <= 0):
         raise bad("timeout", f"timeout must be a number of seconds > 0, got {timeout!r}")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad("seed", f"seed must be an integer, got {seed!r}")
+    seed = _opt_int(body, "seed", None, *SEED_RANGE)
     req = GenerationRequest(
         model=model, prompts=prompts, max_tokens=max_tokens,
         temperature=_opt_num(body, "temperature", 1.0, 0.0, 2.0), top_p=_opt_num(body, "top_p", 1.0, 0.0, 1.0, True),
-        top_k=_opt_int(body, "top_k", 0, -1), seed=seed, stop=_stop(body), n=_opt_int(body, "n", 1, 1, MAX_N),
+        top_k=_opt_int(body, "top_k", 0, -1), seed=seed, stop=_stop(body), n=_opt_int(body, "n", 1, 1),
         stream=stream, include_usage=bool(so and so.get("include_usage")),
         ignore_eos=opt_bool(body, "ignore_eos", False), kv_prune=kv_prune, speculative=_speculative(body),
         logprobs=_logprobs(body, chat), timeout=None if timeout is None else float(timeout),

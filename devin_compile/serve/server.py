@@ -1,13 +1,15 @@
 """Running the app: :func:`serve` (foreground, SIGTERM/SIGINT shut it down gracefully) and
 :class:`BackgroundServer` (a thread, for tests, benchmarks and notebooks).
 
-uvicorn serves the Starlette app. On SIGTERM it stops accepting connections, lets the
-requests in flight finish for up to ``shutdown_timeout`` seconds, then cancels the rest
+uvicorn serves the Starlette app, with at most ``max_connections`` open connections at once
+(uvicorn's ``limit_concurrency``: a request on one more is answered 503). On SIGTERM it stops
+accepting connections, lets the requests in flight finish for up to ``shutdown_timeout`` seconds, then cancels the rest
 (each aborts its engine request); the app's lifespan closes the engine thread, and
 :func:`serve` returns normally (the CLI exits 0).
 """
 from __future__ import annotations
 
+import ipaddress
 import signal
 import socket
 import threading
@@ -33,9 +35,30 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, has_key: bool) -> str | None:
+    """The warning to print when the server listens beyond loopback without an API key (else None)."""
+    if has_key or is_loopback(host):
+        return None
+    return (f"warning: listening on {host} without an API key: anyone who can reach this port can run the model; "
+            "set --api-key KEY (or DEVIN_API_KEY), or listen on --host 127.0.0.1")
+
+
 def _config(server: Server, shutdown_timeout: float, log_level: str) -> uvicorn.Config:
+    # uvicorn answers 503 once its open connections reach limit_concurrency, this one included: + 1
+    # lets max_connections connections be served at once
     return uvicorn.Config(server.app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                          access_log=False, lifespan="on", timeout_keep_alive=30)
+                          access_log=False, lifespan="on", timeout_keep_alive=30,
+                          limit_concurrency=server.limits.max_connections + 1)
 
 
 def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, *, shutdown_timeout: float = 30.0,

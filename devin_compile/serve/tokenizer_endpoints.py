@@ -13,24 +13,15 @@ Every field is checked by name (a 400 naming it), as the generation endpoints do
 from __future__ import annotations
 
 from ..text.chat_template import chat_prompt_ids, chat_prompt_text
-from .protocol import bad, check_model, opt_bool
-
-_TOKENIZE_PROMPT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-_TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-                  "return_token_strs"}
-
-
-def _check_fields(body: dict, allowed: set[str], what: str) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise bad(unknown[0], f"{what} does not take {unknown[0]!r}; it takes {sorted(allowed)}")
+from .protocol import bad, check_fields, check_model, opt_bool
+from .request_fields import DETOKENIZE, TOKENIZE_CHAT, TOKENIZE_PROMPT
 
 
 def tokenize(body: dict, tokenizer, served: str, max_model_len: int) -> dict:
     """The ``/tokenize`` answer for a parsed JSON ``body``."""
     chat = "messages" in body
-    _check_fields(body, _TOKENIZE_CHAT if chat else _TOKENIZE_PROMPT, "/tokenize with " +
-                  ("messages" if chat else "a prompt"))
+    check_fields(body, TOKENIZE_CHAT if chat else TOKENIZE_PROMPT, "/tokenize with " +
+                 ("messages" if chat else "a prompt"))
     check_model(body.get("model"), served)
     if chat:  # the template's text, tokenized with or without the tokenizer's special tokens
         template = dict(add_generation_prompt=opt_bool(body, "add_generation_prompt", True),
@@ -54,7 +45,7 @@ def tokenize(body: dict, tokenizer, served: str, max_model_len: int) -> dict:
 
 def detokenize(body: dict, tokenizer, served: str) -> dict:
     """The ``/detokenize`` answer for a parsed JSON ``body``."""
-    _check_fields(body, {"model", "tokens"}, "/detokenize")
+    check_fields(body, DETOKENIZE, "/detokenize")
     check_model(body.get("model"), served)
     tokens = body.get("tokens")
     vocab = len(tokenizer)
