@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from devin_compile import quant
 from devin_compile.cli.progress import Bars
@@ -23,21 +22,9 @@ from devin_compile.quant import QuantConfig
 from devin_compile.quant.calibration import collect_stats
 from devin_compile.quant.progress import LogLines, Progress, clock
 from test_cli import _tiny_llama
+from test_quant_data import CharTokenizer, tiny  # noqa: F401  (tiny: a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class CharTokenizer:
-    def __call__(self, text, add_special_tokens=False, **_):
-        return {"input_ids": [3 + ord(c) % 250 for c in text]}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
 
 
 class Recorder:

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from devin_compile.cli import common, main
 from devin_compile.quant import corpus
 from serve_model import REPLAY, smollm2_tokenizer, tiny_chat_folder, tiny_chat_opt
 from test_cli import _tiny_llama
+from test_serve_cli import read_lines_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,25 +105,6 @@ def test_chat_quantized(made, monkeypatch, capsys):
     assert reply == opt.chat([{"role": "user", "content": "Tell me 日"}], 6)
 
 
-def _lines_until(proc, marker: str, limit_s: float) -> list[str]:
-    """stdout lines up to the first holding ``marker``."""
-    lines: list[str] = []
-    done = threading.Event()
-
-    def reader():
-        for line in proc.stdout:
-            lines.append(line)
-            if marker in line:
-                done.set()
-                return
-
-    threading.Thread(target=reader, daemon=True).start()
-    if not done.wait(limit_s):
-        proc.kill()
-        raise AssertionError("server did not start:\n" + "".join(lines) + proc.stderr.read())
-    return lines
-
-
 def test_serve_quantized_answers_with_the_artifacts_weights(made):
     from openai import OpenAI
 
@@ -133,7 +114,7 @@ def test_serve_quantized_answers_with_the_artifacts_weights(made):
                              str(q), "--port", "0", "--num-kv-blocks", "64", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        lines = _lines_until(proc, "serving tiny on http://127.0.0.1:", 240)
+        lines = read_lines_until(proc, "serving tiny on http://127.0.0.1:", 240)
         start = "".join(lines)
         assert "06 assign_precision" in start and f"quantized weights (artifact {q}: rtn, g32" in start
         url = lines[-1].split(" on ", 1)[1].split()[0]

@@ -25,7 +25,8 @@ def folder(tmp_path_factory):
     return tiny_chat_folder(tmp_path_factory.mktemp("tiny-chat"))
 
 
-def _read_until(proc, marker: str, limit_s: float) -> str:
+def read_lines_until(proc, marker: str, limit_s: float) -> list[str]:
+    """``proc``'s stdout lines up to the first holding ``marker`` (AssertionError with them after ``limit_s``)."""
     lines: list[str] = []
     done = threading.Event()
 
@@ -40,7 +41,7 @@ def _read_until(proc, marker: str, limit_s: float) -> str:
     if not done.wait(limit_s):
         proc.kill()
         raise AssertionError("server did not start:\n" + "".join(lines) + proc.stderr.read())
-    return lines[-1]
+    return lines
 
 
 def test_serve_process_answers_and_shuts_down_gracefully(folder):
@@ -49,7 +50,7 @@ def test_serve_process_answers_and_shuts_down_gracefully(folder):
                              "0", "--num-kv-blocks", "64", "--served-model-name", "tiny", "--shutdown-timeout", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        line = _read_until(proc, "serving tiny on http://127.0.0.1:", 240)
+        line = read_lines_until(proc, "serving tiny on http://127.0.0.1:", 240)[-1]
         url = line.split(" on ", 1)[1].split()[0]
         client = OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         assert client.models.list().data[0].id == "tiny"
@@ -124,7 +125,7 @@ def test_serve_process_speculates_and_traces_steps(folder, tmp_path):
                              "--spec-tokens", "3", "--trace-file", str(spans_file), "--trace-steps"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url = _read_until(proc, "serving tiny on http://127.0.0.1:", 240).split(" on ", 1)[1].split()[0]
+        url = read_lines_until(proc, "serving tiny on http://127.0.0.1:", 240)[-1].split(" on ", 1)[1].split()[0]
         client = OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         r = client.completions.create(model="tiny", prompt=REPLAY * 2, max_tokens=20, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -192,7 +193,7 @@ def test_serve_process_with_keys_logs_requests_and_never_the_keys(folder):
                              "0", "--num-kv-blocks", "64", "--served-model-name", "tiny", "--api-key", flag_key],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        first = _read_until(proc, "serving tiny on http://127.0.0.1:", 240)
+        first = read_lines_until(proc, "serving tiny on http://127.0.0.1:", 240)[-1]
         url = first.split(" on ", 1)[1].split()[0]
         ok = OpenAI(base_url=url, api_key=flag_key, max_retries=0, timeout=60)
         assert ok.completions.create(model="tiny", prompt="Tell me", max_tokens=3, temperature=0,

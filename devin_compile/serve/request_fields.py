@@ -122,6 +122,8 @@ CHAT = {
     "max_completion_tokens": lambda f: _opt(_int(1, f.max_tokens)),
     "logprobs": _BOOL,
     "top_logprobs": _opt({**_int(0, MAX_LOGPROBS), "description": "with logprobs: true"}),
+    "prompt_logprobs": _opt({**_int(0, MAX_LOGPROBS), "description": "vLLM's: once on the response; not with stream"}),
+    "echo": _opt({"const": False, "description": "completions only"}),
 }
 
 
