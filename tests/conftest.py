@@ -148,6 +148,15 @@ else:
                                       "GQA repeated by broadcast_to in [T, Hkv, G, D] layout before the transpose")
 
 
+# transformers before 5.25 (the GPU machines' 5.17): Falcon with alibi=True differs from this project's
+# ALiBi (eager: HF adds the bias to the scores and again through the mask; SDPA: logits differ by up
+# to 0.21 on the tiny config, not yet explained); its cases are expected failures there (not strict:
+# greedy tokens may still agree), and they must pass from 5.25 on.
+KNOWN_DIFFERENT: dict[str, str] = {}
+if Version(transformers.__version__) < Version("5.25"):
+    KNOWN_DIFFERENT["falcon_alibi"] = "transformers < 5.25 spells Falcon's ALiBi differently (see conftest)"
+
+
 def build_config(model_type: str, overrides: dict, attn_implementation: str):
     from transformers import AutoConfig
 
