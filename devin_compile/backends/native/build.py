@@ -69,17 +69,20 @@ def compilers(need_cxx: bool) -> tuple[str, str | None]:
     return cc, cxx if need_cxx else None
 
 
-_warned = threading.Event()
+_warned: set[str] = set()  # "compiler" once the missing compiler was reported
+_warned_lock = threading.Lock()
 
 
 def _unavailable(what: str, fallback: str, error: Exception) -> None:
     """Log why ``what`` cannot be built: a missing compiler once per process, other failures each."""
     if isinstance(error, CompilerMissing):
-        if not _warned.is_set():
-            _warned.set()
+        with _warned_lock:
+            first = "compiler" not in _warned
+            _warned.add("compiler")
+        if first:
             log.warning("%s", error)
         else:
-            log.debug("%s is unavailable: %s", what, error)
+            log.debug("the %s is unavailable: %s", what, error)
         return
     log.warning("the %s is unavailable (%s); %s", what, error, fallback)
 
