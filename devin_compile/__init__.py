@@ -3,7 +3,8 @@
 ``optimize(model)`` captures the model over flattened tokens, rewrites it with an
 ordered pipeline of FX passes into graphs that call ``devin::`` ops over a paged KV
 cache, and returns an engine-backed model with ``generate`` and ``__call__``.
-``torch.compile(model, backend="devin")`` runs the graph-generic passes and Inductor.
+``torch.compile(model, backend="devin")`` runs the graph-generic passes and Inductor;
+``compile_model(model)`` does that for every prompt length from the first call.
 
 The public names below are imported on first use, so ``import devin_compile.cli`` (the
 ``devin-compile`` command) does not pay for torch and transformers before it needs them.
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 # public name → the module that defines it
 _EXPORTS = {
     "optimize": ".api", "OptimizedModel": ".api",
+    "compile_model": ".dynamic_tokens",
     "UnsupportedModelError": ".capture",
     "OptimizeConfig": ".config", "KVPruneConfig": ".config",
     "PassError": ".pipeline",
@@ -30,7 +32,7 @@ _EXPORTS = {
 
 __all__ = [
     "AsyncEngine", "pipeline_offload",
-    "optimize", "OptimizedModel", "OptimizeConfig", "SamplingParams", "Engine", "UnsupportedModelError",
+    "optimize", "OptimizedModel", "compile_model", "OptimizeConfig", "SamplingParams", "Engine", "UnsupportedModelError",
     "PassError", "RequestError", "KVCacheExhaustedError", "KVPruneConfig", "enable_kv_pruning", "__version__",
 ]
 

@@ -12,10 +12,19 @@ HF's own cache objects, so those rewrites belong to ``optimize()``. Options:
 ``dump_dir`` (pass dumps), ``inductor`` (a dict of Inductor config patches); any other is a
 ``ValueError``. The passes get an ``OptimizeConfig`` built from the config options, like
 ``optimize()``'s (``info`` is None: a Dynamo graph is not a captured model).
+
+Each graph compiled is logged (logger ``devin_compile``, INFO): its number, nodes, whether its sizes
+are symbolic, the pass report in one line and the time (passes, Inductor). Dynamo decides which sizes
+are symbolic before a backend sees the graph: the first call of ``torch.compile(model,
+backend="devin")`` is traced for its own prompt length, and the first call with another length
+compiles once more, for every length (then no more). :func:`devin_compile.compile_model` marks the
+token dimension dynamic before the first call (:mod:`.dynamic_tokens`): one compile for all lengths.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from typing import Any
 
 import torch
@@ -25,6 +34,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .config import OptimizeConfig
 from .passes.cleanup import Cleanup, remove_noops
 from .pipeline import PassContext, PassManager, PassReport, Program
+
+log = logging.getLogger(__name__)
 
 #: One PassReport per graph the backend compiled, most recent last.
 reports: list[PassReport] = []
@@ -56,8 +67,26 @@ def devin_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: 
     dump_dir = options.get("dump_dir")  # the option only: DEVIN_COMPILE_DUMP (in config.dump_dir) is optimize()'s
     if dump_dir:
         dump_dir = f"{dump_dir}/graph_{len(reports):02d}"
+    start = time.perf_counter()
+    nodes = len(gm.graph.nodes)
     report = PassManager([Cleanup()], dump_dir=dump_dir).run(Program({"dynamo": gm}), PassContext(info=None, config=config))
     reports.append(report)
     patches = dict(options.get("inductor") or {})
     patches.setdefault("post_grad_custom_post_pass", _PostGradCleanup())
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    passes_s = time.perf_counter() - start
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    log.info("%s", graph_summary(len(reports) - 1, nodes, example_inputs, report, passes_s,
+                                 time.perf_counter() - start - passes_s))
+    return compiled
+
+
+def graph_summary(index: int, nodes: int, example_inputs: list[Any], report: PassReport, passes_s: float,
+                  inductor_s: float) -> str:
+    """The log line of one compiled graph: what was compiled, how, and how long it took."""
+    symbols = sorted({str(x) for x in example_inputs if isinstance(x, torch.SymInt)})
+    shapes = (f"sizes symbolic in {', '.join(symbols)}: other lengths reuse it" if symbols else
+              "static sizes: a call with other sizes compiles again (devin_compile.compile_model marks the "
+              "token dimension dynamic from the first call)")
+    passes = "; ".join(f"{r.name} {r.status} {r.nodes_before}->{r.nodes_after} nodes" for r in report.records)
+    return (f"torch.compile backend 'devin': graph {index} ({nodes} nodes, {shapes}) compiled in "
+            f"{passes_s + inductor_s:.1f} s: passes {passes_s:.2f} s ({passes}), Inductor {inductor_s:.1f} s")

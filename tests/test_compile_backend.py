@@ -3,6 +3,8 @@
 The backend runs the graph-generic passes and hands the graph to Inductor, so this is
 the one slow-ish Inductor compile of the suite (a tiny 2-layer model).
 """
+import logging
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -66,3 +68,47 @@ def test_backend_hands_passes_a_typed_config(monkeypatch, tmp_path):
     assert isinstance(ctx.config, OptimizeConfig) and ctx.config.dump_dir == str(tmp_path) and ctx.info is None
     with pytest.raises(ValueError, match="unknown options"):
         cb.devin_backend(gm, [torch.ones(2)], options={"decode_buckets": (1,)})  # an optimize() key, not the backend's
+
+
+def test_compile_model_compiles_once_for_every_prompt_length(caplog):
+    """compile_model marks the token dimension dynamic before Dynamo's first trace: five prompt
+    lengths, one backend compile (and one Dynamo graph), logits equal HF eager. Under generate the
+    graphs the first prompt needs serve a prompt of another length too, and greedy output equals
+    eager's. The first call's log says what was compiled and how long it took."""
+    from torch._dynamo.utils import counters
+
+    import devin_compile
+    from devin_compile.dynamic_tokens import uncompile_model
+
+    model = _tiny()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (1, n), generator=gen) for n in (11, 7, 19, 5, 30)]
+    with torch.no_grad():
+        refs = [model(ids).logits for ids in prompts]
+        greedy = [model.generate(ids, max_new_tokens=6, do_sample=False) for ids in prompts[:2]]
+    torch._dynamo.reset()
+    before, graphs_before = len(cb.reports), counters["stats"]["unique_graphs"]
+    assert devin_compile.compile_model(model) is model
+    try:
+        with torch.no_grad(), caplog.at_level(logging.INFO, logger="devin_compile"):
+            for ids, ref in zip(prompts, refs):
+                assert torch.allclose(model(ids).logits, ref, atol=1e-5)
+            assert len(cb.reports) - before == 1 and counters["stats"]["unique_graphs"] - graphs_before == 1
+            assert torch.equal(model.generate(prompts[0], max_new_tokens=6, do_sample=False), greedy[0])
+            after_first = len(cb.reports)  # + prefill with a cache, decode (twice: the cache's strides change)
+            assert torch.equal(model.generate(prompts[1], max_new_tokens=6, do_sample=False), greedy[1])
+            assert len(cb.reports) == after_first  # another prompt length: nothing compiled
+    finally:
+        uncompile_model(model)
+    assert "forward" not in model.__dict__ and not model._forward_pre_hooks and not model._forward_hooks
+    lines = [r.getMessage() for r in caplog.records]
+    graph_lines = [m for m in lines if m.startswith("torch.compile backend 'devin': graph")]
+    assert len(graph_lines) == after_first - before
+    assert all("sizes symbolic in" in m and "cleanup ran" in m for m in graph_lines), graph_lines
+    first = [m for m in lines if m.startswith("first call of the compiled LlamaForCausalLM: 1 graph(s) compiled in")]
+    assert len(first) == 1, lines
+
+
+def test_compile_model_refuses_another_backend():
+    with pytest.raises(ValueError, match="always compiles with backend='devin'"):
+        __import__("devin_compile").compile_model(_tiny(), backend="inductor")

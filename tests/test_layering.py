@@ -22,7 +22,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("config", "capture", "pipeline", "quant", "cache"),
     ("passes",),
     ("runtime",),
-    ("api", "optimized_model", "compile_backend", "offload", "benchmarking", "models", "serve", ""),
+    ("api", "optimized_model", "compile_backend", "dynamic_tokens", "offload", "benchmarking", "models", "serve", ""),
     ("cli",),
 ]
 

@@ -5,6 +5,7 @@ Each subcommand module has ``HELP`` (one line), ``DESCRIPTION`` (its --help text
 Only the chosen subcommand's arguments are registered, and torch/transformers are imported
 inside the subcommands, so ``devin-compile --help`` answers at once. Every argument is
 checked before a model is loaded; a bad one ends with ``devin-compile: error: ...`` (exit 2).
+The library's log (logger ``devin_compile``, INFO and up) is shown on stderr (:mod:`.logs`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import sys
 
 from . import chat, dump, quantize, run, serve
+from .logs import show_library_log
 
 DESCRIPTION = "Compile a Hugging Face causal LM into a paged-KV engine and use it."
 EPILOG = 'Run "devin-compile COMMAND --help" for the options of a command.'
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), "")
     args = build_parser(command).parse_args(argv)
+    show_library_log()  # kernels built, compilers missing: INFO and up on stderr
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as e:

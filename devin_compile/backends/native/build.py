@@ -1,84 +1,93 @@
-"""Build, cache and load the CPU C kernels (``*.c`` next to this file) with ctypes.
+"""Build and load the CPU C kernels (ctypes) and C++ torch op kernels (``*.c``/``*.cpp`` here).
 
-The kernel sources include only C headers (and ``cpu_kernels.h``), not torch's, so the system
+The C kernel sources include only C headers (and ``cpu_kernels.h``), not torch's, so the system
 C compiler (``$CC``, else ``cc``/``gcc``) builds one in about a second, with ``-O3
--march=native -fopenmp``. The shared object is cached under ``~/.cache/devin_compile/kernels``
-(``$DEVIN_COMPILE_CACHE/kernels``; the temp dir when that is read-only), keyed by a hash of the
-sources, the flags, the compiler's version and this CPU's feature flags, and loaded with ctypes,
-which drops the GIL during a call. OpenMP resolves to the ``libgomp`` torch has already
-loaded, so the kernels share torch's thread pool instead of starting a second one.
+-march=native -fopenmp``; a C++ op kernel (``$CXX``, else ``c++``/``g++``) includes torch's headers
+and takes ~10-30 s. Each is built once per machine and key into the shared cache of
+:mod:`.kernel_cache` (locked, atomically installed, checksummed, logged at INFO): a C kernel keyed
+by its sources, flags, the compiler's version and this CPU's feature flags, a C++ op kernel also by
+torch's version, commit and C++ ABI. C kernels are loaded with ctypes, which drops the GIL during a
+call. OpenMP resolves to the ``libgomp`` torch has already loaded, so the kernels share torch's
+thread pool instead of starting a second one.
 
-:class:`CKernel` builds on first use; where no compiler works, :meth:`CKernel.load` logs why
-once and returns None, and callers keep their torch path.
+:class:`CKernel` and :class:`TorchOpKernel` build on first use. Where no compiler is found, one
+warning per process says so (and how to get one), every kernel returns None/False and callers keep
+their torch path; a build that fails for another reason is logged per kernel.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import functools
 import importlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
+
+from .kernel_cache import cached_build, cpu_flags
+
+__all__ = ["CKernel", "TorchOpKernel", "CompilerMissing", "VARIANTS", "build", "build_torch_op", "cpu_flags",
+           "find_compiler"]
 
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 HEADERS = (HERE / "cpu_kernels.h", HERE / "cpu_torch_op.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
+CXX_FLAGS = ["-O2", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+_C = ("CC", "cc", "gcc")
+_CXX = ("CXX", "c++", "g++")
 
 
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+class CompilerMissing(RuntimeError):
+    """No usable C (or C++) compiler: the kernels are off and their ops run torch code."""
 
 
 def find_compiler(env: str, *names: str) -> str | None:
-    """``$env`` if set, else the first of ``names`` on PATH (None: no such compiler here)."""
-    return os.environ.get(env) or next((path for name in names if (path := shutil.which(name))), None)
+    """The executable ``$env`` names (a path or a name on PATH) if set, else the first of ``names`` on
+    PATH; None: no such compiler here."""
+    chosen = os.environ.get(env)
+    return shutil.which(chosen) if chosen else next((path for name in names if (path := shutil.which(name))), None)
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("DEVIN_COMPILE_CACHE")
-    return Path(root) / "kernels" if root else Path.home() / ".cache" / "devin_compile" / "kernels"
+def _where(env: str, *names: str) -> str:
+    chosen = os.environ.get(env)
+    return f"{env}={chosen} is not an executable" if chosen else f"{env} is unset and {' / '.join(names)} not on PATH"
 
 
-def _cached_build(stem: str, key_parts: list[str], commands) -> Path:
-    """Run ``commands(out, workdir)`` (a list of argv lists writing the shared object ``out``)
-    unless a build with the same key is cached; returns the cached shared object."""
-    key = hashlib.sha256("\0".join([*key_parts, " ".join(FLAGS), cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{stem}-{key}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(target.parent, os.W_OK):
-            raise PermissionError(target.parent)
-    except OSError:  # read-only home: build into the temp dir instead
-        target = Path(tempfile.gettempdir()) / "devin_compile_kernels" / target.name
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        tmp = os.path.join(work, target.name)
-        for cmd in commands(tmp, work):
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if p.returncode != 0:
-                raise RuntimeError(f"{cmd[0]} failed: {p.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
-    return target
+def compilers(need_cxx: bool) -> tuple[str, str | None]:
+    """``(cc, cxx)`` (cxx None unless ``need_cxx``), or :class:`CompilerMissing` naming every missing
+    compiler (both, so that the one warning says all) and the way out."""
+    cc, cxx = find_compiler(*_C), find_compiler(*_CXX)
+    missing = {kind: _where(*spec) for kind, spec, path in (("C", _C, cc), ("C++", _CXX, cxx)) if path is None}
+    if cc is None or (need_cxx and cxx is None):
+        raise CompilerMissing(f"no {'/'.join(missing)} compiler found ({'; '.join(missing.values())}): devin-compile's "
+                              "C/C++ kernels are off and their ops run slower torch code; install gcc and g++, or set "
+                              "CC and CXX")
+    return cc, cxx if need_cxx else None
 
 
+_warned: set[str] = set()  # "compiler" once the missing compiler was reported
+_warned_lock = threading.Lock()
+
+
+def _unavailable(what: str, fallback: str, error: Exception) -> None:
+    """Log why ``what`` cannot be built: a missing compiler once per process, other failures each."""
+    if isinstance(error, CompilerMissing):
+        with _warned_lock:
+            first = "compiler" not in _warned
+            _warned.add("compiler")
+        if first:
+            log.warning("%s", error)
+        else:
+            log.debug("the %s is unavailable: %s", what, error)
+        return
+    log.warning("the %s is unavailable (%s); %s", what, error, fallback)
+
+
+@functools.lru_cache(maxsize=None)
 def _version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
 
@@ -91,13 +100,15 @@ def build(source: Path, cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """The shared object of C ``source``, compiled unless this exact build is cached.
     ``extra_flags`` follow the defaults (e.g. ``-mno-avx512f``: a variant without AVX-512)."""
     stem = source.stem + "".join(f.replace("-m", "_").replace("-", "_") for f in extra_flags)
-    return _cached_build(stem, [*_texts(source), _version(cc), *extra_flags],
-                         lambda out, work: [[cc, *FLAGS, *extra_flags, f"-I{HERE}", "-o", out, str(source), "-lm"]])
+    what = f"the C kernel {source.name}" + (f" ({' '.join(extra_flags)})" if extra_flags else "")
+    return cached_build(what, stem, [*_texts(source), _version(cc), " ".join(FLAGS), *extra_flags],
+                        lambda out, work: [[cc, *FLAGS, *extra_flags, f"-I{HERE}", "-o", out, str(source), "-lm"]])
 
 
 def build_torch_op(cpp: Path, c_source: Path | None, cc: str, cxx: str) -> Path:
     """A shared object registering torch kernels from C++ ``cpp``, linked with C ``c_source``
-    if given (for ``torch.ops.load_library``). Keyed also by torch's version and C++ ABI.
+    if given (for ``torch.ops.load_library``). Keyed also by torch's version, commit and C++ ABI
+    (the library links against this torch's C++ API).
     ``-ffp-contract=off``: no fused multiply-adds, so a kernel can round like aten's ops do."""
     import torch
     from torch.utils.cpp_extension import include_paths
@@ -109,19 +120,22 @@ def build_torch_op(cpp: Path, c_source: Path | None, cc: str, cxx: str) -> Path:
         obj = [os.path.join(work, c_source.stem + ".o")] if c_source else []
         c_step = [[cc, *[f for f in FLAGS if f != "-shared"], f"-I{HERE}", "-c", "-o", *obj, str(c_source)]] if obj else []
         return [*c_step,
-                [cxx, "-O2", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17", abi,
+                [cxx, *CXX_FLAGS, abi,
                  f"-I{HERE}", *(f"-I{p}" for p in include_paths()), "-o", out, str(cpp), *obj, f"-L{torch_lib}",
                  "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{torch_lib}"]]
 
     sources = _texts(cpp, c_source) if c_source else _texts(cpp)
-    return _cached_build(cpp.stem, [*sources, _version(cc), _version(cxx), torch.__version__, abi], commands)
+    what = f"the C++ op kernel {cpp.name}{f' (with {c_source.name})' if c_source else ''} for torch {torch.__version__}"
+    key = [*sources, _version(cc), _version(cxx), " ".join(FLAGS + CXX_FLAGS), torch.__version__,
+           str(torch.version.git_version), abi]
+    return cached_build(what, cpp.stem, key, commands)
 
 
 class TorchOpKernel:
     """A C++ file (next to this one) registering the CPU kernel of a ``devin::`` op, built with
     the system C/C++ compilers (``$CC``/``$CXX``) and loaded once per process with
     ``torch.ops.load_library``; ``c_source`` is a C kernel linked into it. The op's Python kernel
-    (CompositeExplicitAutograd) serves every call where this cannot be built (logged once)."""
+    (CompositeExplicitAutograd) serves every call where this cannot be built (logged)."""
 
     def __init__(self, cpp: str, op_module: str, c_source: str | None = None) -> None:
         self.cpp = HERE / cpp
@@ -137,18 +151,15 @@ class TorchOpKernel:
         with self._lock:
             if self._loaded is not None:
                 return self._loaded
-            cc, cxx = find_compiler("CC", "cc", "gcc"), find_compiler("CXX", "c++", "g++")
             try:
-                if cc is None or cxx is None:
-                    raise RuntimeError("no C/C++ compiler found (set CC and CXX)")
+                cc, cxx = compilers(need_cxx=True)
                 importlib.import_module(self.op_module)  # the op must be defined before its kernels
                 import torch
 
                 torch.ops.load_library(str(build_torch_op(self.cpp, self.c_source, cc, cxx)))
                 self._loaded = True
             except Exception as e:  # noqa: BLE001  (no compiler, headers missing, ABI mismatch)
-                log.warning("the C++ kernel %s is unavailable (%s); the op's Python kernel serves every call",
-                            self.cpp.name, e)
+                _unavailable(f"C++ kernel {self.cpp.name}", "the op's Python kernel serves every call", e)
                 self._loaded = False
             return self._loaded
 
@@ -187,10 +198,8 @@ class CKernel:
         with self._lock:
             if self._tried:
                 return self._lib
-            cc = find_compiler("CC", "cc", "gcc")
             try:
-                if cc is None:
-                    raise RuntimeError("no C compiler found (set CC)")
+                cc, _ = compilers(need_cxx=False)
                 lib = ctypes.CDLL(str(build(self.source, cc, self.extra_flags)))
                 for name, argtypes in self.functions.items():
                     fn = getattr(lib, name)
@@ -198,7 +207,7 @@ class CKernel:
                     fn.restype = ctypes.c_int
                 self._lib = lib
             except Exception as e:  # noqa: BLE001  (no compiler, unsupported flags, sandboxed filesystem)
-                log.warning("the C kernel %s is unavailable (%s); using the torch path", self.source.name, e)
+                _unavailable(f"C kernel {self.source.name}", "using the torch path", e)
                 self._lib = None
             self._tried = True
             return self._lib
