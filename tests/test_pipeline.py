@@ -175,7 +175,7 @@ def _table_rows(markdown: str) -> list[list[str]]:
 
 def _check_dump_dir(path: str, opt) -> None:
     names = [r.name for r in opt.pass_report.records]
-    assert names[0] == "attention_to_paged" and names[-1] == "fuse_attention_inputs" and "fuse_projections" in names
+    assert names[0] == "attention_to_paged" and names[-1] == "wrap_cuda_graphs" and "fuse_projections" in names
     stems = ["00_captured"] + [f"{i:02d}_{n}" for i, n in enumerate(names, start=1)]
     expected = {f"{s}{ext}" for s in stems for ext in (".py", ".txt")} | {"index.md"}
     assert expected <= set(os.listdir(path))
