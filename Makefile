@@ -28,7 +28,7 @@ test: setup
 # capture and parity tests under that pair.
 COMPAT := .venv-compat
 COMPAT_PY := $(COMPAT)/bin/python
-COMPAT_TESTS ?= tests/test_families.py tests/test_capture_holes.py tests/test_pipeline.py tests/test_engine.py
+COMPAT_TESTS ?= tests/test_families.py tests/test_capture_holes.py tests/test_pipeline.py tests/test_engine.py tests/test_decode_graphs.py
 
 $(COMPAT)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(COMPAT)
