@@ -26,6 +26,9 @@ class ModelInfo:
     eos_token_ids: list[int]
     attention_modules: list[str] = field(default_factory=list)  # graph-qualified names, in layer order
     sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module → window (if any)
+    # attention module → chunk size C of chunked local attention (Llama 4): the query at position p sees
+    # only keys in [floor(p / C)·C, p]; absent or -1: no chunk
+    attention_chunks: dict[str, int] = field(default_factory=dict)
     # Multi-head latent attention (DeepSeek-V2/V3): (kv_lora_rank, qk_rope_head_dim). The paged cache
     # then holds one latent plane of kv_lora_rank + qk_rope_head_dim values per token and layer.
     mla: tuple[int, int] | None = None
