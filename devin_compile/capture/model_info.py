@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import UnsupportedModelError
-from .mask_probe import sliding_windows
+from .mask_probe import mask_shapes
 
 
 @dataclass
@@ -114,6 +114,7 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
     kv_heads = _module_kv_heads(attn, heads) or getattr(text_cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
     param = next(model.parameters())
+    shapes = {"m." + n: shape for n, shape in mask_shapes(model, text_cfg, attn).items()}
     return ModelInfo(
         model_type=getattr(cfg, "model_type", type(model).__name__),
         num_layers=text_cfg.num_hidden_layers,
@@ -127,6 +128,7 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
         device=param.device,
         eos_token_ids=_eos_ids(model),
         attention_modules=["m." + n for n, _ in attn],
-        sliding_windows={"m." + n: w for n, w in sliding_windows(model, text_cfg, attn).items()},
+        sliding_windows={n: shape.window for n, shape in shapes.items()},
+        attention_chunks={n: shape.chunk for n, shape in shapes.items() if shape.chunk > 0},
         mla=_mla_dims(text_cfg),
     )

@@ -38,6 +38,9 @@ Matching details that hold across families:
   the extra column is read on the same probe and becomes a per-head ``sinks=`` buffer;
 - a layer whose mask is chunked (``ModelInfo.attention_chunks``, Llama 4's local layers) gets
   ``attention_chunk=C``;
+- positions an attention module computes as ``arange`` over the step's tokens (right only without
+  a cache, on one sequence: Llama 4's attention temperature tuning) read ``position_ids`` instead
+  (``positions.py``);
 - K and V head sizes must equal ``ModelInfo.head_dim`` (the paged cache's one head size),
   else the pass fails; models with multi-head latent attention (``ModelInfo.mla``) are
   rewritten to ``devin::mla_attention`` instead (``mla.py``).
@@ -56,6 +59,7 @@ from ...graph_utils import add_call, add_constant, eliminate_dead_code, fake_lik
 from ...pipeline import Pass, PassContext, PassError, PassResult
 from .alibi import PROBE_LEN, SubgraphEvaluator, additive_bias, fit_alibi
 from .mla import build_mla_attention, drop_dead_copies
+from .positions import arange_positions
 from .sinks import fit_sinks
 from .sites import AttentionSite, batched_heads, find_attention_sites, flat_heads, strip_repeat_kv
 
@@ -95,8 +99,10 @@ class AttentionToPaged(Pass):
         if copies:  # dead now, but DCE keeps in-place ops
             drop_dead_copies(gm, copies)
             eliminate_dead_code(gm)
+        moved = arange_positions(gm, info.attention_modules)  # after DCE: the masks' aranges are gone
+        positions = f", positions from position_ids in {len(set(moved))}" if moved else ""
         return PassResult(matches=len(layers),
-                          note=f"{len(layers)} layers{_terms_note(layers, info)}; {done.delta(gm)} "
+                          note=f"{len(layers)} layers{_terms_note(layers, info)}{positions}; {done.delta(gm)} "
                                "(mask/bias subgraph dead)")
 
 
