@@ -131,6 +131,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     _f("llama4_text", chunks=(8, -1),
        config=dict(attention_chunk_size=8, no_rope_layers=[1, 0], num_local_experts=2, num_experts_per_tok=1,
                    intermediate_size_mlp=128, head_dim=16, interleave_moe_layer_step=1, floor_scale=4)),
+    # --- attention spelled another way: query scaled before bmm over [B·H, T, D] views, the mask clamped
+    # with max(s, finfo.min), sinusoidal positions (whose table growth caps a step at 512 tokens)
+    _f("xglm", gqa=False, impls=("eager",), config=dict(ffn_dim=128)),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:

@@ -32,6 +32,9 @@ class ModelInfo:
     # Multi-head latent attention (DeepSeek-V2/V3): (kv_lora_rank, qk_rope_head_dim). The paged cache
     # then holds one latent plane of kv_lora_rank + qk_rope_head_dim values per token and layer.
     mla: tuple[int, int] | None = None
+    # The most tokens one step may pack, when the captured graph holds only up to a bound (a branch the
+    # model takes only for short inputs, e.g. XGLM's sinusoidal table; see capture.export); None: any.
+    max_step_tokens: int | None = None
 
     @property
     def kv_cache_layout(self) -> dict:

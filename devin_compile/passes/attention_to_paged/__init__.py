@@ -23,7 +23,11 @@ Matching details that hold across families:
 
 - export's metadata asserts (``_assert_tensor_metadata`` on the softmax output) are not
   counted as users when walking softmax → cast → dropout → matmul;
-- the scale may be ``mul``/``div`` by a constant, also in place (Falcon's ``scores /= √d``);
+- the scale may be ``mul``/``div`` by a constant, also in place (Falcon's ``scores /= √d``), on the
+  scores or on q or kᵀ right at the product (``scores.py``); a query scaled before its views
+  (XGLM) stays scaled and the op gets scale 1;
+- the products may be ``matmul``, head-first 4-D ``einsum`` or ``bmm`` over [B·H, T, D] views;
+  masks may be added, ``masked_fill``ed, ``where``-filled or clamped with ``max(s, finfo.min)``;
 - the key may be broadcast rather than repeated (multi-query ``q @ kᵀ`` with one KV head);
 - each site is assigned to its layer through ``ModelInfo.attention_modules`` (the
   innermost enclosing attention module), so layer naming (``h.N.attn``, ``layers.N.attention``)

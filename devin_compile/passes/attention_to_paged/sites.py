@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ...graph_utils import RESHAPES, add_call, is_call
+from ...graph_utils import RESHAPES, add_call, is_call, node_shape
 from ...pipeline import PassError
-from .scores import as_4d, peel_scores
+from .scores import as_4d, einsum_operands, peel_scores
 from .sinks import drop_sink_column, peel_sink
 
 aten = torch.ops.aten
@@ -57,7 +57,8 @@ def _match_sdpa(node: torch.fx.Node) -> AttentionSite | None:
 
 
 def _match_eager(node: torch.fx.Node) -> AttentionSite | None:
-    if not is_call(node, *_SOFTMAX) or node.args[1] not in (-1, 3):
+    ndim = len(node_shape(node) or ())
+    if not is_call(node, *_SOFTMAX) or ndim == 0 or node.args[1] % ndim != ndim - 1:
         return None
     # Forward: softmax → [sink column dropped] → [cast] → [dropout] → matmul(·, v)
     cur, sliced = node, False
@@ -80,8 +81,11 @@ def _match_eager(node: torch.fx.Node) -> AttentionSite | None:
             cur = nxt
             continue
         break
+    pair = einsum_operands(nxt, "pv")
     if is_call(nxt, aten.matmul.default) and nxt.args[0] is cur:
         pv, v = nxt, nxt.args[1]
+    elif pair is not None and pair[0] is cur:
+        pv, v = nxt, pair[1]
     elif is_call(nxt, aten.bmm.default) and nxt.args[0] is cur:
         # [H, T, Dv] = bmm(probs, v3): the site's output is its view back to [1, H, T, Dv]
         pv, v = _single_user(nxt), as_4d(nxt.args[1])
