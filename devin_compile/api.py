@@ -51,6 +51,8 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
         model = model.to(config.device)
     quant = _resolve_quantization(model, tokenizer, config)
     gm, info = capture(model, info=info, stack_traces=config.dump_dir is not None)
+    if info.max_step_tokens is not None:  # the graph holds only up to this many tokens a step
+        config = config.limited_to_step_tokens(info.max_step_tokens)
     if config.scheduler.max_model_len is not None:
         info.max_model_len = config.scheduler.max_model_len
     program = Program({"main": gm})

@@ -107,10 +107,14 @@ class AttentionBackend(Protocol):
     def is_available(self, device: torch.device) -> bool: ...
 
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None, alibi: bool = False) -> bool:
-        """False to decline one call (it then runs on the torch reference). ``alibi`` is passed only
-        for ALiBi calls, which then get ``forward(..., alibi_slopes=[Hq] float32)``: add
-        ``slope_h · (key slot − query slot)`` to every score."""
+                 block_size: int | None = None, alibi: bool = False, sinks: bool = False,
+                 attention_chunk: int = -1) -> bool:
+        """False to decline one call (it then runs on the torch reference). The last three are passed
+        only to calls that have them, which then get the matching ``forward`` keyword:
+        ``alibi`` → ``alibi_slopes=[Hq] float32`` (add ``slope_h · (key slot − query slot)`` to every
+        score); ``sinks`` → ``sinks=[Hq] float32`` (a logit per head that joins the softmax's
+        denominator, attending to nothing); ``attention_chunk=C`` → the same (the query at slot p
+        sees only slots ``floor(p / C)·C .. p``, beside any window)."""
         ...
 
     def forward(

@@ -60,6 +60,7 @@ class Family:
     config: dict = field(default_factory=dict)
     impls: tuple[str, ...] = ("sdpa", "eager")  # what HF offers for this family
     windows: tuple[int, ...] = (-1, -1)  # expected ModelInfo.sliding_windows per layer
+    chunks: tuple[int, ...] = (-1, -1)  # expected ModelInfo.attention_chunks per layer (-1: absent)
     kv_heads: int = 2
     core: bool = False  # also run the chunked-prefill / block_size 4 check
 
@@ -122,18 +123,22 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # --- multi-head latent attention: the paged cache holds latents (kv_lora_rank + qk_rope_head_dim)
     _f("deepseek_v3", gqa=False, config=_MLA),  # q LoRA, new_empty + copy_ key expansion, MoE after layer 0
     _f("deepseek_v2", gqa=False, config=dict(_MLA, q_lora_rank=None)),  # plain q_proj
+    # --- attention sinks: a learned logit per head in the softmax's denominator, read on a probe
+    _f("gpt_oss", impls=("eager",), windows=(8, -1),  # HF has no SDPA path for gpt-oss; MoE with clamped SwiGLU
+       config=dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"])),
+    # --- chunked local attention (rotary layers) beside a NoPE global layer; MoE with a shared expert
+    _f("llama4_text", chunks=(8, -1),
+       config=dict(attention_chunk_size=8, no_rope_layers=[1, 0], num_local_experts=2, num_experts_per_tok=1,
+                   intermediate_size_mlp=128, head_dim=16, interleave_moe_layer_step=1, floor_scale=4)),
+    # --- attention spelled another way: query scaled before bmm over [B·H, T, D] views, the mask clamped
+    # with max(s, finfo.min), sinusoidal positions (whose table growth caps a step at 512 tokens)
+    _f("xglm", gqa=False, impls=("eager",), config=dict(ffn_dim=128)),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
 # (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
 UNSUPPORTED: dict[str, tuple] = {
-    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
-                                layer_types=["sliding_attention", "full_attention"], **_GQA),
-                "eager", "PassError", r"no SDPA or softmax", "attention sinks: extra logit column in the softmax"),
-    "llama4_text": ("llama4_text", dict(attention_chunk_size=8192, num_local_experts=2, num_experts_per_tok=1,
-                                        intermediate_size_mlp=128, head_dim=16, interleave_moe_layer_step=1, **_GQA),
-                    "sdpa", "UnsupportedModelError", r"neither causal nor a causal sliding window",
-                    "chunked attention"),
     "mamba": ("mamba", {}, "eager", "UnsupportedModelError", r"could not capture", "no attention (state-space model)"),
 }
 

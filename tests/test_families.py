@@ -19,7 +19,7 @@ attention implementation HF offers for it ("sdpa", "eager"):
    implementation each, alternating) greedy again with ``block_size=4,
    max_num_batched_tokens=16``, so prompts are prefilled in chunks over cached context
    and decode steps mix with prefill chunks;
-4. what capture found: per-layer sliding windows and KV heads, and one
+4. what capture found: per-layer sliding windows, attention chunks and KV heads, and one
    ``devin::paged_attention`` (``devin::mla_attention`` for DeepSeek's latent attention) per layer with no softmax/SDPA left inside an attention
    module (MoE routers keep theirs).
 
@@ -27,9 +27,10 @@ Eager-attention models run on ``attention_backend="torch_reference"``; SDPA mode
 the default backend (on CPU: ``cpu_sdpa``, which hands soft-capped calls to the
 reference); the chunked runs swap the two. Families HF or the compiler cannot serve are
 in ``conftest.UNSUPPORTED`` and must fail with a clear ``UnsupportedModelError`` or
-``PassError`` naming the construct, never compile silently (attention sinks, chunked attention, Falcon's new-architecture GQA layout before
-transformers 5.25 (from 5.25 it is a family like the others), state-space models; see ``conftest.UNSUPPORTED`` for the reason of each). Families
-for which HF itself has no SDPA path (Gemma 2) run eager only, and a test checks HF
+``PassError`` naming the construct, never compile silently (Falcon's new-architecture GQA layout before
+transformers 5.25 (from 5.25 it is a family like the others), state-space models; see ``conftest.UNSUPPORTED``
+for the reason of each). Families
+for which HF itself has no SDPA path (Gemma 2, gpt-oss, XGLM) run eager only, and a test checks HF
 really refuses SDPA for them. The module takes about 2 minutes on 2 CPU cores, most of
 it in ``torch.export`` (about 2 s per model); compiled models are cached per module.
 """
@@ -111,6 +112,7 @@ def test_capture_facts(case, compiled):
     fam = FAMILIES[family]
     opt = compiled(family, impl)
     assert tuple(opt.info.sliding_windows[m] for m in opt.info.attention_modules) == fam.windows
+    assert tuple(opt.info.attention_chunks.get(m, -1) for m in opt.info.attention_modules) == fam.chunks
     assert opt.info.num_kv_heads == fam.kv_heads
     nodes = [n for g in opt.program.graphs.values() for n in g.graph.nodes if n.op == "call_function"]
     core = torch.ops.devin.mla_attention.default if opt.info.mla else torch.ops.devin.paged_attention.default

@@ -14,8 +14,10 @@ the *documented* ``flash_attn_with_kvcache`` contracts on CPU:
 Both stand-ins compute the documented semantics in float32: the causal mask aligned to the
 bottom right (query ``i`` of ``seqlen_q`` sees keys ``<= i + seqlen_k - seqlen_q``), local
 window ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``, softcap
-``softcap * tanh(scale * q.k / softcap)``, and all-masked rows returning zeros. The
-adapters must then match ``reference_paged_attention`` on random mixed batches.
+``softcap * tanh(scale * q.k / softcap)``, FA3's ``attention_chunk`` C (keys from
+``floor((i + seqlen_k - seqlen_q) / C)·C`` on, as hopper/mask.h limits a local row), and
+all-masked rows returning zeros. The adapters must then match ``reference_paged_attention``
+on random mixed batches.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ HALF = (torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------------------
 
 def _fa_math(q: torch.Tensor, k_cache, v_cache, table_row, kv_len: int, *, scale, causal, window, softcap,
-             alibi=None):
+             alibi=None, chunk=0):
     """Documented FA semantics for one batch row. q [Sq, Hq, D] -> [Sq, Hq, Dv] float32."""
     Sq, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -70,6 +72,8 @@ def _fa_math(q: torch.Tensor, k_cache, v_cache, table_row, kv_len: int, *, scale
         mask &= j >= i - left
     if right >= 0:
         mask &= j <= i + right
+    if chunk > 0:  # FA3: a row sees keys from the start of its own chunk on
+        mask &= j >= torch.div(i, chunk, rounding_mode="floor") * chunk
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
     p = torch.where(mask.any(-1)[:, None], p, torch.zeros_like(p))  # all-masked row -> zeros
@@ -145,7 +149,8 @@ def make_fa3_stand_in(*, with_varlen: bool = True):
         scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0, return_softmax_lse=False,
     ):
         assert qv is None and rotary_cos is None and rotary_sin is None and cu_seqlens_k_new is None
-        assert cache_batch_idx is None and cache_leftpad is None and attention_chunk == 0
+        assert cache_batch_idx is None and cache_leftpad is None
+        assert isinstance(attention_chunk, int) and attention_chunk >= 0
         assert q.shape[-1] % 8 == 0, "head_size should be a multiple of 8"
         if cu_seqlens_q is not None:
             assert q.dim() == 3, "varlen q is (total_q, nheads, headdim)"
@@ -163,12 +168,12 @@ def make_fa3_stand_in(*, with_varlen: bool = True):
             rows = None
         _check_common(q, k_cache, v_cache, k, v, cache_seqlens, page_table, "page_table", causal,
                       window_size, softcap, softmax_scale, B)
-        calls.append({"q_shape": tuple(q.shape), "varlen": cu_seqlens_q is not None})
+        calls.append({"q_shape": tuple(q.shape), "varlen": cu_seqlens_q is not None, "chunk": attention_chunk})
         out = torch.zeros((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype)
         for b in range(B):
             qb = q[rows[b][0]:rows[b][1]] if rows else q[b]
             ob = _fa_math(qb, k_cache, v_cache, page_table[b], int(cache_seqlens[b]), scale=softmax_scale,
-                          causal=causal, window=window_size, softcap=softcap).to(q.dtype)
+                          causal=causal, window=window_size, softcap=softcap, chunk=attention_chunk).to(q.dtype)
             if rows:
                 out[rows[b][0]:rows[b][1]] = ob
             else:
@@ -253,6 +258,8 @@ def run_against_reference(backend, spec):
     kw = dict(scale=scale, softcap=spec["softcap"], sliding_window=spec["window"])
     if spec.get("alibi"):
         kw["alibi_slopes"] = torch.rand(q.shape[1], generator=torch.Generator().manual_seed(spec["seed"])) * 0.5
+    if spec.get("chunk"):
+        kw["attention_chunk"] = spec["chunk"]
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     want = TorchReferenceBackend().forward(q, k, v, kc_ref, vc_ref, meta, **kw)
     got = backend.forward(q, k, v, k_cache, v_cache, meta, **kw)
@@ -287,7 +294,8 @@ def test_fa3_adapter_matches_reference(spec):
     meta = run_against_reference(FlashAttn3Backend(fn=stand_in), spec)
     (call,) = stand_in.calls
     if meta.max_query_len == 1:
-        assert call == {"q_shape": (meta.num_seqs, 1, call["q_shape"][2], call["q_shape"][3]), "varlen": False}
+        assert call == {"q_shape": (meta.num_seqs, 1, call["q_shape"][2], call["q_shape"][3]), "varlen": False,
+                        "chunk": 0}
     else:
         assert call["varlen"] and call["q_shape"][0] == sum(meta.query_lens_host)
 

@@ -21,8 +21,11 @@ silent fallback to eager.
 - KV heads: what the attention modules use (``num_key_value_heads`` / ``num_kv_heads`` /
   ``num_key_value_groups``) when they agree, else the config (Falcon's multi-query
   attention runs one KV head whatever ``config.num_kv_heads`` says);
-- sliding windows: observed from the masks HF builds in a short probe forward (see
-  :func:`.mask_probe.sliding_windows`), since some families keep the window only in the config.
+- sliding windows and attention chunks: observed from the masks HF builds in a short probe
+  forward (see :func:`.mask_probe.mask_shapes`), since some families keep the window only in
+  the config, and Llama 4 chunks only some layers.
+- steps: a model whose graph holds only up to B tokens a step (a branch on the token count, e.g.
+  XGLM's sinusoidal table) records ``max_step_tokens = B`` (see :func:`.export.capture`);
 - causality: encoder attention (``is_causal=False`` modules, e.g. BERT with
   ``is_decoder=False``, or a mask that lets every token see every other) is refused, not
   served as causal.

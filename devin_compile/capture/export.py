@@ -62,10 +62,13 @@ def capture(model: torch.nn.Module, *, example_len: int = 8, info: ModelInfo | N
         # instead of failing the export. torch 2.11 cannot prove Min(16*T, 32*T) == 16*T (a reshape
         # of GQA's expanded K/V); MPT's sliced ALiBi table asserts T <= max_seq_len. An assert
         # that does not hold fails the step loudly; a specialisation (T fixed) still fails here.
+        # A branch valid only up to some T (XGLM grows its sinusoidal table past max_positions + 2
+        # tokens) is exported for T up to that bound, which caps the tokens of a step (_bounded_export).
         with TRACE_LOCK, torch.no_grad():
-            ep = torch.export.export(FlatTokensLM(model), (ids, pos, idx),
-                                     dynamic_shapes=({1: T}, {1: T}, {0: N}), strict=False,
-                                     prefer_deferred_runtime_asserts_over_guards=True)
+            try:
+                ep = _export(model, (ids, pos, idx), T, N)
+            except Exception as e:  # noqa: BLE001
+                ep, info.max_step_tokens = _bounded_export(model, (ids, pos, idx), e)
     except Exception as e:  # noqa: BLE001  (any capture failure becomes one clear error)
         msg = str(e).strip().splitlines()
         first = msg[0] if msg else type(e).__name__
@@ -81,6 +84,30 @@ def capture(model: torch.nn.Module, *, example_len: int = 8, info: ModelInfo | N
     gm = ep.module()
     _strip_export_guards(gm)
     return gm, info
+
+
+def _export(model: torch.nn.Module, example: tuple, T: object, N: object) -> torch.export.ExportedProgram:
+    return torch.export.export(FlatTokensLM(model), example, dynamic_shapes=({1: T}, {1: T}, {0: N}), strict=False,
+                               prefer_deferred_runtime_asserts_over_guards=True)
+
+
+def _bounded_export(model: torch.nn.Module, example: tuple, first: Exception) -> tuple[object, int]:
+    """Export again letting torch infer the token count's range, when the first export failed only
+    because a branch holds up to some number of tokens: (the program, that bound). Any other outcome
+    (another error, a fixed token count, a lower bound above 2, no upper bound) re-raises ``first``."""
+    if "Constraints violated" not in str(first):
+        raise first
+    dyn = torch.export.Dim.DYNAMIC
+    try:
+        ep = _export(model, example, dyn, dyn)
+    except Exception:  # noqa: BLE001
+        raise first from None
+    ids = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
+    size = ids.meta["val"].shape[1]
+    ranges = ep.range_constraints.get(size.node.expr) if isinstance(size, torch.SymInt) else None
+    if ranges is None or int(ranges.lower) > 2 or not str(ranges.upper).isdigit():  # int_oo: no bound
+        raise first
+    return ep, int(str(ranges.upper))
 
 
 def _strip_export_guards(gm: torch.fx.GraphModule) -> None:

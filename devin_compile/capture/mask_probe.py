@@ -1,13 +1,13 @@
-"""Probe the masks HF builds: sliding windows and causality, read from one short forward.
+"""Probe the masks HF builds: sliding windows, attention chunks and causality, read from one short forward.
 
-Some families keep the sliding window only in the config, and some attention modules are
-bidirectional (encoder) attention behind a causal-LM head; both show in the mask HF hands
-each attention module, which one probe forward records.
+Some families keep the sliding window only in the config, some restrict a layer to chunks (Llama 4's
+local layers), and some attention modules are bidirectional (encoder) attention behind a causal-LM
+head; all of it shows in the mask HF hands each attention module, which one probe forward records.
 """
 from __future__ import annotations
 
 import inspect
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import torch
 
@@ -30,6 +30,13 @@ _PROBE_WINDOW = 2
 _PROBE_CHUNK = 3
 
 
+class MaskShape(NamedTuple):
+    """What one attention module's mask hides besides the future: a window and/or a chunk (-1: none)."""
+
+    window: int = -1
+    chunk: int = -1
+
+
 def _attribute_windows(attn: list[tuple[str, torch.nn.Module]]) -> dict[str, int]:
     return {n: int(getattr(m, "sliding_window", None) or -1) for n, m in attn}
 
@@ -47,8 +54,8 @@ def _visible(mask: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, torch.nn.Module]]) -> dict[str, int]:
-    """Each attention module's sliding window (-1: full causal), read from the mask HF builds.
+def mask_shapes(model: torch.nn.Module, text_cfg, attn: list[tuple[str, torch.nn.Module]]) -> dict[str, MaskShape]:
+    """Each attention module's sliding window and attention chunk (-1: none), read from the mask HF builds.
 
     Where the window lives differs by family: some attention modules carry
     ``sliding_window`` (Gemma 2/3, Qwen2, Cohere2, ...), others (Mistral, Mixtral, Phi-3,
@@ -59,19 +66,20 @@ def sliding_windows(model: torch.nn.Module, text_cfg, attn: list[tuple[str, torc
     ``attention_mask`` argument. A layer whose mask is the plain causal one (or None, SDPA's
     is_causal shortcut) is full attention, unless the module's own ``sliding_window``
     attribute names a window too wide for the probe to see; a layer whose mask is the
-    causal band of width ``_PROBE_WINDOW`` uses ``config.sliding_window``; any other mask
-    (chunked attention, bidirectional prefixes, ALiBi biases folded into the mask, ...)
-    raises :class:`UnsupportedModelError`. If the probe cannot run or a mask is not a plain
+    causal band of width ``_PROBE_WINDOW`` uses ``config.sliding_window``; a layer whose mask
+    is causal within chunks of ``_PROBE_CHUNK`` (query i sees keys ``floor(i / 3)·3 .. i``) uses
+    ``config.attention_chunk_size``; any other mask (bidirectional prefixes, ALiBi biases folded
+    into the mask, ...) raises :class:`UnsupportedModelError`. If the probe cannot run or a mask is not a plain
     [q, kv] tensor, the modules' ``sliding_window`` attributes are used. Encoder attention
     (an all-visible mask; else, with no mask to read, ``is_causal=False`` in the call or on
     the module) raises :func:`_refuse_bidirectional`'s error.
     """
     fallback = _attribute_windows(attn)
     if not attn:
-        return fallback
-    window = _config_width(text_cfg, "sliding_window")
+        return {}
+    widths = MaskShape(_config_width(text_cfg, "sliding_window") or -1, _config_width(text_cfg, "attention_chunk_size") or -1)
     masks, causal_flags = _probe_masks(model, text_cfg, attn)
-    return {n: _window_of(model, n, m, masks.get(n, _MISSING), causal_flags.get(n), fallback[n], window)
+    return {n: _shape_of(model, n, m, masks.get(n, _MISSING), causal_flags.get(n), fallback[n], widths)
             for n, m in attn}
 
 
@@ -130,9 +138,9 @@ def _recorder(name: str, module: torch.nn.Module, masks: dict[str, object], caus
     return hook
 
 
-def _window_of(model: torch.nn.Module, name: str, module: torch.nn.Module, mask: object, causal_flag: object,
-               attribute_window: int, window: int | None) -> int:
-    """One attention module's window from the mask it got in the probe (see :func:`sliding_windows`)."""
+def _shape_of(model: torch.nn.Module, name: str, module: torch.nn.Module, mask: object, causal_flag: object,
+              attribute_window: int, widths: MaskShape) -> MaskShape:
+    """One attention module's window and chunk from the mask it got in the probe (see :func:`mask_shapes`)."""
     L = _PROBE_LEN
     vis = _visible(mask) if isinstance(mask, torch.Tensor) else None
     if vis is None or tuple(vis.shape) != (L, L):
@@ -140,19 +148,21 @@ def _window_of(model: torch.nn.Module, name: str, module: torch.nn.Module, mask:
         # call's is_causal= or the module's is_causal decides (False: e.g. BERT with is_decoder=False).
         if (causal_flag if causal_flag is not None else getattr(module, "is_causal", True)) is False:
             _refuse_bidirectional(model, name)
-        return -1 if mask is None else attribute_window
+        return MaskShape(-1 if mask is None else attribute_window)
     vis = vis.cpu()
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    band = causal & ~torch.ones(L, L, dtype=torch.bool).tril(-_PROBE_WINDOW)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    causal = j <= i
     if torch.equal(vis, causal) or torch.equal(vis, ~causal):
         # ~causal: a bool mask marking the *hidden* keys (MPT's masked_fill(mask, min) convention)
-        return attribute_window if attribute_window >= L else -1
-    if window is not None and torch.equal(vis, band):
-        return int(window)
+        return MaskShape(attribute_window if attribute_window >= L else -1)
+    if widths.window > 0 and torch.equal(vis, causal & (j > i - _PROBE_WINDOW)):
+        return MaskShape(window=widths.window)
+    if widths.chunk > 0 and torch.equal(vis, causal & (j >= i // _PROBE_CHUNK * _PROBE_CHUNK)):
+        return MaskShape(chunk=widths.chunk)
     if bool(vis.all()):
         _refuse_bidirectional(model, name)
     raise UnsupportedModelError(
-        f"{name}: the attention mask {type(model).__name__} builds is neither causal nor a causal "
-        "sliding window (e.g. chunked or bidirectional attention, or ALiBi biases folded into the "
-        "mask); the paged runtime serves only causal and sliding-window attention"
+        f"{name}: the attention mask {type(model).__name__} builds is neither causal, nor a causal "
+        "sliding window, nor causal within fixed chunks (e.g. bidirectional attention, or ALiBi biases "
+        "folded into the mask); the paged runtime serves only those"
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import UnsupportedModelError
-from .mask_probe import sliding_windows
+from .mask_probe import mask_shapes
 
 
 @dataclass
@@ -26,9 +26,15 @@ class ModelInfo:
     eos_token_ids: list[int]
     attention_modules: list[str] = field(default_factory=list)  # graph-qualified names, in layer order
     sliding_windows: dict[str, int] = field(default_factory=dict)  # attention module → window (if any)
+    # attention module → chunk size C of chunked local attention (Llama 4): the query at position p sees
+    # only keys in [floor(p / C)·C, p]; absent or -1: no chunk
+    attention_chunks: dict[str, int] = field(default_factory=dict)
     # Multi-head latent attention (DeepSeek-V2/V3): (kv_lora_rank, qk_rope_head_dim). The paged cache
     # then holds one latent plane of kv_lora_rank + qk_rope_head_dim values per token and layer.
     mla: tuple[int, int] | None = None
+    # The most tokens one step may pack, when the captured graph holds only up to a bound (a branch the
+    # model takes only for short inputs, e.g. XGLM's sinusoidal table; see capture.export); None: any.
+    max_step_tokens: int | None = None
 
     @property
     def kv_cache_layout(self) -> dict:
@@ -111,6 +117,7 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
     kv_heads = _module_kv_heads(attn, heads) or getattr(text_cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
     param = next(model.parameters())
+    shapes = {"m." + n: shape for n, shape in mask_shapes(model, text_cfg, attn).items()}
     return ModelInfo(
         model_type=getattr(cfg, "model_type", type(model).__name__),
         num_layers=text_cfg.num_hidden_layers,
@@ -124,6 +131,7 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
         device=param.device,
         eos_token_ids=_eos_ids(model),
         attention_modules=["m." + n for n, _ in attn],
-        sliding_windows={"m." + n: w for n, w in sliding_windows(model, text_cfg, attn).items()},
+        sliding_windows={n: shape.window for n, shape in shapes.items()},
+        attention_chunks={n: shape.chunk for n, shape in shapes.items() if shape.chunk > 0},
         mla=_mla_dims(text_cfg),
     )

@@ -164,6 +164,18 @@ class OptimizeConfig:
                                  "(e.g. 'cpp_wrapper', 'max_autotune')")
         self.compile_decode_options = dict(opts)
 
+    def limited_to_step_tokens(self, n: int) -> "OptimizeConfig":
+        """This config with no step packing more than ``n`` tokens (a model whose captured graph holds
+        only up to ``n``; ``ModelInfo.max_step_tokens``): the scheduler's token and sequence limits,
+        the decode buckets and the speculative verify tokens capped at ``n``."""
+        sched = dataclasses.replace(self.scheduler, max_num_batched_tokens=min(self.scheduler.max_num_batched_tokens, n),
+                                    max_num_seqs=min(self.scheduler.max_num_seqs, n))
+        spec = self.speculative
+        if spec is not None:
+            spec = dataclasses.replace(spec, max_verify_tokens=min(spec.max_verify_tokens, n))
+        buckets = tuple(b for b in self.decode_buckets if b <= n) or (n,)
+        return dataclasses.replace(self, scheduler=sched, speculative=spec, decode_buckets=buckets)
+
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "OptimizeConfig":
         """Flat user options (``optimize(**options)``, the CLI's ``--option``) → a validated config."""

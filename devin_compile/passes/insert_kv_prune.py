@@ -12,8 +12,9 @@ prune (see ``ops/kv_prune.py`` and ``runtime/kv_prune/``); with no pruning seque
 step it returns at once. In the prefill graph it acts only for requests with
 ``prefill_window > 0`` whose prompt completes in the step (their last ``prefill_window``
 queries score the prompt, which is then pruned once). Invariants: exactly one node per
-attention layer in each graph (else ``PassError``); the graphs' outputs are unchanged. Sliding-window and ALiBi layers are refused:
-their window / bias is counted in slots, which stop being positions once a sequence is compacted.
+attention layer in each graph (else ``PassError``); the graphs' outputs are unchanged. Sliding-window, ALiBi
+and chunked layers are refused (their window / bias / chunk is counted in slots, which stop being positions
+once a sequence is compacted), and so are attention sinks (the attention mass leaves them out).
 Enabled by ``optimize(kv_prune=...)`` (or inside ``enable_kv_pruning``).
 """
 from __future__ import annotations
@@ -54,14 +55,7 @@ class InsertKVPrune(Pass):
         for node in [n for n in graph.nodes if is_call(n, torch.ops.devin.paged_attention.default)]:
             q, _k, _v, layer, scale = node.args[:5]
             softcap = node.args[5] if len(node.args) > 5 else node.kwargs.get("softcap", 0.0)
-            window = node.args[6] if len(node.args) > 6 else node.kwargs.get("sliding_window", -1)
-            if window is not None and window > 0:
-                raise PassError(f"insert_kv_prune: layer {layer} uses a sliding window of {window} tokens; KV pruning "
-                                "supports full-attention layers only (drop kv_prune= for this model)")
-            alibi = node.args[7] if len(node.args) > 7 else node.kwargs.get("alibi_slopes")
-            if alibi is not None:
-                raise PassError(f"insert_kv_prune: layer {layer} uses ALiBi, whose bias is counted in slots, which stop "
-                                "being positions once KV pruning compacts a sequence (drop kv_prune= for this model)")
+            _refuse_unservable(node, layer)
             with graph.inserting_after(node):
                 new = graph.call_function(target, (q, node, layer, float(scale), float(softcap)))
             new.meta["val"] = None
@@ -73,3 +67,23 @@ class InsertKVPrune(Pass):
             raise PassError(f"insert_kv_prune inserted nodes for layers {sorted(layers)} of the {phase} graph, "
                             f"expected one per attention layer {list(range(num_layers))}")
         return len(layers)
+
+
+def _refuse_unservable(node: torch.fx.Node, layer: int) -> None:
+    """A ``PassError`` for an attention call KV pruning cannot serve: a sliding window, ALiBi, chunked
+    attention (counted in slots, which stop being positions once a sequence is compacted) or sinks."""
+    window = node.args[6] if len(node.args) > 6 else node.kwargs.get("sliding_window", -1)
+    if window is not None and window > 0:
+        raise PassError(f"insert_kv_prune: layer {layer} uses a sliding window of {window} tokens; KV pruning "
+                        "supports full-attention layers only (drop kv_prune= for this model)")
+    alibi = node.args[7] if len(node.args) > 7 else node.kwargs.get("alibi_slopes")
+    if alibi is not None:
+        raise PassError(f"insert_kv_prune: layer {layer} uses ALiBi, whose bias is counted in slots, which stop "
+                        "being positions once KV pruning compacts a sequence (drop kv_prune= for this model)")
+    if node.kwargs.get("attention_chunk", -1) > 0:
+        raise PassError(f"insert_kv_prune: layer {layer} uses chunked attention, whose chunks are counted in "
+                        "slots, which stop being positions once KV pruning compacts a sequence (drop kv_prune= "
+                        "for this model)")
+    if node.kwargs.get("sinks") is not None:
+        raise PassError(f"insert_kv_prune: layer {layer} has attention sinks, which the attention mass KV "
+                        "pruning scores by leaves out (drop kv_prune= for this model)")

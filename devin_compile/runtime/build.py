@@ -57,7 +57,8 @@ def build_engine(program: Program, info: ModelInfo, config: OptimizeConfig, *, t
         backend.warm_up(dtype=info.dtype, num_kv_heads=info.num_kv_heads, num_heads=info.num_heads,
                         head_dim=info.head_dim)
     runner = ModelRunner(program, pool, vocab_size=info.vocab_size, backend=backend, device=info.device,
-                         max_seq_len=info.max_model_len, recompute_depth=config.cuda_graph_recompute_depth)
+                         max_seq_len=info.max_model_len, recompute_depth=config.cuda_graph_recompute_depth,
+                         max_step_tokens=info.max_step_tokens)
     speculative = SpeculativeDecoder(config.speculative, proposer) if config.speculative is not None else None
     return Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                   tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,

@@ -22,8 +22,10 @@ from .step_plan import ScheduledSeq
 class ModelRunner:
     def __init__(self, program: Program, kv_cache: PagedKVCache, *, vocab_size: int,
                  backend: AttentionBackend | None = None, device: torch.device | str = "cpu",
-                 max_seq_len: int | None = None, recompute_depth: int = 1) -> None:
+                 max_seq_len: int | None = None, recompute_depth: int = 1, max_step_tokens: int | None = None) -> None:
         self.program = program
+        # The most tokens a step may pack (ModelInfo.max_step_tokens: the graph holds only up to it)
+        self.max_step_tokens = max_step_tokens
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -67,6 +69,9 @@ class ModelRunner:
             seq_lens: list[int], block_tables: list[list[int]], logits_indices: list[int],
             kv_prune=None) -> torch.Tensor:
         """One forward over packed tokens; returns float logits [len(logits_indices), vocab]."""
+        if self.max_step_tokens is not None and len(input_ids) > self.max_step_tokens:
+            raise RuntimeError(f"a step of {len(input_ids)} tokens, but this model's graph holds at most "
+                               f"{self.max_step_tokens} (ModelInfo.max_step_tokens); the scheduler caps steps at it")
         n_real = len(query_lens)
         decode = self.is_decode_step(query_lens, logits_indices) and "decode" in self.program.graphs
         if decode and kv_prune is None and self.decode_graphs is not None:
@@ -153,8 +158,13 @@ class ModelRunner:
 
     def forward_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence [T, vocab], computed from scratch into
-        ``block_table`` (enough blocks for ``len(token_ids)`` slots, owned by the caller)."""
+        ``block_table`` (enough blocks for ``len(token_ids)`` slots, owned by the caller), in steps of at
+        most ``max_step_tokens`` tokens where the graph has that limit (each over the cached ones before)."""
         n = len(token_ids)
-        positions = list(range(n))
-        return self.run(list(token_ids), positions, self.slot_mapping(block_table, 0, n), [n], [n], [block_table],
-                        positions)
+        step = self.max_step_tokens or max(n, 1)
+        parts = []
+        for s in range(0, max(n, 1), step):
+            e = min(n, s + step)
+            parts.append(self.run(list(token_ids[s:e]), list(range(s, e)), self.slot_mapping(block_table, s, e - s),
+                                  [e - s], [e], [block_table], list(range(e - s))))
+        return torch.cat(parts) if len(parts) != 1 else parts[0]

@@ -11,8 +11,11 @@
   k/v directly with ``is_causal=True``: no gather at all.
 - Anything else (chunked prefill over cached context, sliding windows) gathers that
   sequence's slots and runs SDPA with an explicit mask.
-- ALiBi calls (``alibi_slopes``) run per sequence through SDPA with a float mask holding the
-  bias ``slope_h · (key − query)`` and ``-inf`` on hidden slots (the C decode kernel has no bias).
+- Calls with ALiBi slopes or attention sinks (decode rows included: the C decode kernel has
+  neither) run per sequence through one float32 SDPA call with a float mask
+  (:mod:`.cpu_masked`: the bias, ``-inf`` on hidden slots, the sink as an extra zero key).
+- Chunked attention (``attention_chunk``) takes the masked path of sliding windows: the C decode
+  kernel and the C++ op kernel decline it too.
 Soft-capped logits are declined (SDPA has no soft-cap) and go to the reference.
 """
 from __future__ import annotations
@@ -25,7 +28,8 @@ from . import cpu_paged_decode
 from .kv_write import gather_sequence, write_kv
 from .length_groups import group_by_length
 from .registry import register_backend
-from .torch_reference import alibi_bias, visible_mask
+from .cpu_masked import forward_masked
+from .torch_reference import visible_mask
 
 
 def _sdpa(q, k, v, *, scale, mask=None, causal=False):
@@ -244,32 +248,6 @@ def _load_native_path() -> bool:
     return True
 
 
-def _forward_alibi(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window: int,
-                   slopes: torch.Tensor) -> torch.Tensor:
-    """ALiBi: each sequence attends in one float32 SDPA call whose float mask is the bias
-    ``slope_h · (j − p_i)`` plus ``-inf`` where slot j is hidden from query i (causal, window)."""
-    _write(k, v, k_cache, v_cache, meta)
-    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
-    start = 0
-    for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        end = start + q_len
-        if q_len == 0:
-            continue
-        if kv_len == q_len:  # nothing cached before this step: its own k/v, no gather
-            kk, vv = k[start:end], v[start:end]
-        else:
-            kk = gather_sequence(k_cache, meta.block_tables[b], kv_len)
-            vv = gather_sequence(v_cache, meta.block_tables[b], kv_len)
-        bias = alibi_bias(slopes, q_len, kv_len, q.device)
-        bias = bias.masked_fill(~visible_mask(q_len, kv_len, sliding_window, q.device), float("-inf"))
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).float(), kk.transpose(0, 1).float(),
-                                           vv.transpose(0, 1).float(), attn_mask=bias, scale=scale,
-                                           enable_gqa=q.shape[1] != kk.shape[1])
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
-        start = end
-    return out
-
-
 class CpuSdpaBackend:
     name = "cpu_sdpa"
     priority = 10
@@ -280,7 +258,8 @@ class CpuSdpaBackend:
     def is_available(self, device: torch.device) -> bool:
         return device.type == "cpu"
 
-    def supports(self, *, dtype, head_dim, softcap, sliding_window, block_size=None, alibi=False) -> bool:
+    def supports(self, *, dtype, head_dim, softcap, sliding_window, block_size=None, alibi=False, sinks=False,
+                 attention_chunk=-1) -> bool:
         return softcap <= 0
 
     def warm_up(self, *, dtype, num_kv_heads, num_heads, head_dim) -> None:
@@ -289,16 +268,20 @@ class CpuSdpaBackend:
         cpu_paged_decode.load()
         _load_native_path()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None):
-        if alibi_slopes is not None:
-            return _forward_alibi(q, k, v, k_cache, v_cache, meta, scale, sliding_window, alibi_slopes)
-        fast = _layer_op_plan(q, k, v, k_cache, v_cache, meta) if sliding_window <= 0 else None
+    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None,
+                sinks=None, attention_chunk=-1):
+        if alibi_slopes is not None or sinks is not None:
+            _write(k, v, k_cache, v_cache, meta)
+            return forward_masked(q, k, v, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
+                                  attention_chunk=attention_chunk, slopes=alibi_slopes, sinks=sinks)
+        masked = sliding_window > 0 or attention_chunk > 0  # the C decode kernel attends to every cached slot
+        fast = _layer_op_plan(q, k, v, k_cache, v_cache, meta) if not masked else None
         if fast is not None:  # a pure-decode step: write + attend in one C++ call
             tok, tables, lens, chunk = fast
             return cpu_paged_decode.decode_layer(q, k, v, k_cache, v_cache, meta.slot_mapping, tok, tables, lens,
                                                  scale, chunk)
         _write(k, v, k_cache, v_cache, meta)
-        decode_rows = [] if sliding_window > 0 else [b for b, n in enumerate(meta.query_lens_host) if n == 1]
+        decode_rows = [] if masked else [b for b, n in enumerate(meta.query_lens_host) if n == 1]
         if decode_rows and len(decode_rows) == meta.num_seqs:
             return _decode(q, k_cache, v_cache, meta, scale, decode_rows)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
@@ -311,13 +294,14 @@ class CpuSdpaBackend:
                 start = end
                 continue
             qq = q[start:end].transpose(0, 1)
-            if kv_len == q_len and (sliding_window <= 0 or sliding_window >= kv_len):
+            if kv_len == q_len and (sliding_window <= 0 or sliding_window >= kv_len) and (
+                    attention_chunk <= 0 or attention_chunk >= kv_len):
                 o = _sdpa(qq, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), scale=scale,
                           causal=q_len > 1)
             else:
                 kk = gather_sequence(k_cache, meta.block_tables[b], kv_len).transpose(0, 1).to(q.dtype)
                 vv = gather_sequence(v_cache, meta.block_tables[b], kv_len).transpose(0, 1).to(q.dtype)
-                mask = visible_mask(q_len, kv_len, sliding_window, q.device)
+                mask = visible_mask(q_len, kv_len, sliding_window, q.device, attention_chunk)
                 o = _sdpa(qq, kk, vv, scale=scale, mask=mask)
             out[start:end] = o.transpose(0, 1)
             start = end

@@ -47,7 +47,10 @@ cache's page size): with it, FA2 declines block sizes that are not a multiple of
 :attr:`FlashAttn2Backend.block_size_multiple` (256). ``forward`` raises a
 ``ValueError`` naming the required block size if it is handed such a cache anyway.
 fp32 (no FA kernel), head dims above 256 and, for FA3, head dims that are not a multiple
-of 8 are declined, and so are ALiBi calls where the library has no ``alibi_slopes`` (FA3). Known FA3 build flags (``flash_attn_config``) that disable
+of 8 are declined, and so are ALiBi calls where the library has no ``alibi_slopes`` (FA3),
+attention sinks (neither library's ``flash_attn_with_kvcache`` takes a sink logit) and chunked
+attention where the library has no ``attention_chunk`` (FA2; FA3's lets the query at position p
+see keys from ``floor(p / C)·C``, ours). Known FA3 build flags (``flash_attn_config``) that disable
 soft-capping, local attention or fp16 are honoured too.
 
 The library function is resolved lazily (importing this module never imports
@@ -189,12 +192,13 @@ def fa2_forward(
 def fa3_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, *, scale: float, softcap: float, sliding_window: int, fn: FlashFn,
-    varlen: bool | None = None,
+    varlen: bool | None = None, attention_chunk: int = -1,
 ) -> torch.Tensor:
     """Write k/v into the cache, then attend with FA3's ``flash_attn_with_kvcache`` (``fn``).
 
     Mixed batches use the packed query (``cu_seqlens_q``/``max_seqlen_q``) when ``varlen``
-    (default: when ``fn`` accepts those arguments), else the FA2-style padding.
+    (default: when ``fn`` accepts those arguments), else the FA2-style padding. ``attention_chunk``
+    > 0 goes to FA3's own ``attention_chunk`` (passed only then, so older builds keep working).
     """
     _check_inputs(q, k_cache, v_cache, "FlashAttention-3")
     write_kv(k, v, k_cache, v_cache, meta)
@@ -205,12 +209,14 @@ def fa3_forward(
     if varlen is None:
         varlen = _accepts(fn, "cu_seqlens_q", "max_seqlen_q")
 
+    chunk = {"attention_chunk": int(attention_chunk)} if attention_chunk > 0 else {}
+
     def call(qq: torch.Tensor, **extra: Any) -> Any:
         return fn(
             qq, k_cache, v_cache, k=None, v=None,
             cache_seqlens=meta.seq_lens, page_table=meta.block_tables,
             softmax_scale=scale, causal=True, window_size=window_size_for(sliding_window),
-            softcap=float(softcap), **extra,
+            softcap=float(softcap), **chunk, **extra,
         )
 
     if _is_decode(meta, total):
@@ -267,6 +273,10 @@ class _FlashAttnBackend:
         """Whether the library call applies ALiBi slopes (FA2: ``alibi_slopes``; FA3 has none)."""
         return False
 
+    def _takes_chunk(self) -> bool:
+        """Whether the library call serves chunked attention (FA3: ``attention_chunk``; FA2 has none)."""
+        return False
+
     def _build_usable(self) -> bool:
         return True
 
@@ -284,8 +294,9 @@ class _FlashAttnBackend:
         return self._resolve() is not None and self._build_usable()
 
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None, alibi: bool = False) -> bool:
-        if alibi and not self._takes_alibi():
+                 block_size: int | None = None, alibi: bool = False, sinks: bool = False,
+                 attention_chunk: int = -1) -> bool:
+        if (alibi and not self._takes_alibi()) or sinks or (attention_chunk > 0 and not self._takes_chunk()):
             return False
         if dtype not in _HALF_DTYPES or head_dim > _MAX_HEAD_DIM:
             return False
@@ -342,25 +353,30 @@ class FlashAttn3Backend(_FlashAttnBackend):
         # cache_seqlens (seqused_k) is a varlen feature; the cache is paged.
         return not (flags.get("FLASHATTENTION_DISABLE_PAGEDKV") or flags.get("FLASHATTENTION_DISABLE_VARLEN"))
 
+    def _takes_chunk(self) -> bool:
+        fn = self._resolve()
+        return fn is not None and _accepts(fn, "attention_chunk")
+
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None, alibi: bool = False) -> bool:
-        if not super().supports(dtype=dtype, head_dim=head_dim, softcap=softcap,
-                                sliding_window=sliding_window, block_size=block_size, alibi=alibi):
+                 block_size: int | None = None, alibi: bool = False, sinks: bool = False,
+                 attention_chunk: int = -1) -> bool:
+        if not super().supports(dtype=dtype, head_dim=head_dim, softcap=softcap, sliding_window=sliding_window,
+                                block_size=block_size, alibi=alibi, sinks=sinks, attention_chunk=attention_chunk):
             return False
         if head_dim % 8:  # "head_size should be a multiple of 8" (hopper/flash_api.cpp)
             return False
         flags = self._build_flags()
         if softcap > 0 and flags.get("FLASHATTENTION_DISABLE_SOFTCAP"):
             return False
-        if sliding_window > 0 and flags.get("FLASHATTENTION_DISABLE_LOCAL"):
+        if (sliding_window > 0 or attention_chunk > 0) and flags.get("FLASHATTENTION_DISABLE_LOCAL"):
             return False
         if dtype == torch.float16 and flags.get("FLASHATTENTION_DISABLE_FP16"):
             return False
         return True
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window):
+    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, attention_chunk=-1):
         return fa3_forward(q, k, v, k_cache, v_cache, meta, scale=scale, softcap=softcap,
-                           sliding_window=sliding_window, fn=self._library())
+                           sliding_window=sliding_window, fn=self._library(), attention_chunk=attention_chunk)
 
 
 register_backend(FlashAttn3Backend())

@@ -1,7 +1,8 @@
 """Torch reference attention over the paged cache: plain math in float32, any device.
 
 It is the oracle every faster backend is tested against, and it serves every call
-(GQA, soft-capping, sliding windows, ALiBi, mixed prefill/decode batches).
+(GQA, soft-capping, sliding windows, chunked attention, ALiBi, attention sinks, mixed
+prefill/decode batches).
 """
 from __future__ import annotations
 
@@ -13,14 +14,28 @@ from .kv_write import gather_sequence, write_kv
 from .registry import register_backend
 
 
-def visible_mask(q_len: int, kv_len: int, sliding_window: int, device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] bool: query i (the (kv_len - q_len + i)-th slot) sees slot j."""
+def visible_mask(q_len: int, kv_len: int, sliding_window: int, device: torch.device,
+                 attention_chunk: int = -1) -> torch.Tensor:
+    """[q_len, kv_len] bool: query i (the (kv_len - q_len + i)-th slot) sees slot j: causal, within the
+    window (``j > p - W``) and within its own chunk (``j >= floor(p / C)·C``) when those are given."""
     qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     kpos = torch.arange(kv_len, device=device)[None, :]
     mask = kpos <= qpos
     if sliding_window > 0:
         mask &= kpos > qpos - sliding_window
+    if attention_chunk > 0:
+        mask &= kpos >= torch.div(qpos, attention_chunk, rounding_mode="floor") * attention_chunk
     return mask
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``scores`` [Hq-like..., q, k]; with ``sinks`` (one logit per head,
+    broadcast as [..., 1, 1]) each row's denominator also holds ``exp(sink)``, a column that attends to
+    nothing and is dropped after the softmax (rows then sum to less than 1)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    col = sinks.float().to(scores.device).view(*scores.shape[:-2], 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
 
 
 def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -33,7 +48,7 @@ def alibi_bias(slopes: torch.Tensor, q_len: int, kv_len: int, device: torch.devi
 def reference_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     *, scale: float, softcap: float = 0.0, sliding_window: int = -1, mass_out: dict | None = None,
-    alibi_slopes: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None, attention_chunk: int = -1,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's cached tokens (already written).
 
@@ -60,9 +75,9 @@ def reference_paged_attention(
             scores = torch.tanh(scores / softcap) * softcap
         if alibi_slopes is not None:  # after the soft-cap, as the bias is added to the capped scores
             scores = scores + alibi_bias(alibi_slopes, q_len, kv_len, q.device).view(Hkv, G, q_len, kv_len)
-        mask = visible_mask(q_len, kv_len, sliding_window, q.device)
+        mask = visible_mask(q_len, kv_len, sliding_window, q.device, attention_chunk)
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = softmax_with_sinks(scores, sinks)
         if mass_out is not None and b in mass_out:
             mass_out[b] = group_mass(probs)
         o = torch.einsum("hgqk,khd->qhgd", probs, vv).reshape(q_len, Hq, Dv)
@@ -80,10 +95,12 @@ class TorchReferenceBackend:
     def supports(self, **_: object) -> bool:
         return True
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None,
+                sinks=None, attention_chunk=-1):
         write_kv(k, v, k_cache, v_cache, meta)
         return reference_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
-                                         sliding_window=sliding_window, alibi_slopes=alibi_slopes)
+                                         sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
+                                         attention_chunk=attention_chunk)
 
     def forward_with_scores(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, rows):
         """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]})."""

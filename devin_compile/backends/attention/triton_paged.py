@@ -23,15 +23,20 @@ Two kernels run per ``devin::paged_attention`` call:
    looks each position's page up in the block table (``block_tables[b, j // block_size]``,
    so pages may be scattered and BLOCK_N need not equal block_size), and keeps a
    running max / running sum / fp32 accumulator (online softmax). ``hi`` stops at the
-   last slot the tile's latest query may see; with a sliding window ``lo`` starts at the
-   first slot the tile's earliest query may see.
+   last slot the tile's latest query may see; with a sliding window or an attention chunk
+   ``lo`` starts at the first slot the tile's earliest query may see. Attention sinks start
+   each row's running max at its head's sink logit and its running sum at 1 (the sink's own
+   ``exp2(sink − max)``), with nothing added to the accumulator: the sink joins the
+   denominator and attends to nothing.
 
 Semantics (identical to :func:`torch_reference.reference_paged_attention`): query token
 ``i`` of a sequence with ``q_len`` new tokens and ``kv_len = seq_lens[b]`` cached tokens
 (after this step's write) sits at slot ``qpos = kv_len - q_len + i`` and sees slots
-``j <= qpos`` (and ``j > qpos - sliding_window`` when ``sliding_window > 0``). Scores
+``j <= qpos`` (and ``j > qpos - sliding_window`` when ``sliding_window > 0``, and
+``j >= (qpos // attention_chunk) * attention_chunk`` when ``attention_chunk > 0``). Scores
 are ``q.k * scale``, soft-capped as ``tanh(s / softcap) * softcap`` when ``softcap > 0``,
-plus ``alibi_slopes[h] * (j - qpos)`` when ALiBi slopes are given.
+plus ``alibi_slopes[h] * (j - qpos)`` when ALiBi slopes are given; with ``sinks`` each
+row's softmax denominator also holds ``exp(sinks[h])``.
 Accumulation is fp32; the output has q's dtype. fp32 inputs use IEEE (not TF32) dots;
 fp16/bf16 inputs use half-precision dots with fp32 accumulation (under the interpreter,
 whose bf16 dot is broken, bf16 operands are upcast to fp32 instead).
@@ -99,9 +104,9 @@ def _kv_write_kernel(
 
 
 def _paged_attn_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr, alibi_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, lse_ptr, alibi_ptr, sinks_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, softcap, sliding_window,
+    scale, softcap, sliding_window, attention_chunk,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
@@ -113,7 +118,7 @@ def _paged_attn_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
-    STORE_LSE: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    STORE_LSE: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -148,13 +153,18 @@ def _paged_attn_kernel(
     hi = tl.minimum(kv_len, ctx_len + last_qi + 1)
     hi = tl.where(tile_live, hi, 0)
     lo = hi * 0
+    first_q = ctx_len + row0 // GROUP
     if HAS_WINDOW:
-        first_q = ctx_len + row0 // GROUP
-        lo = tl.maximum(first_q - sliding_window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+        lo = tl.maximum(lo, first_q - sliding_window + 1)
+    if HAS_CHUNK:  # the earliest query's chunk start (positions are >= 0, so // is a floor)
+        lo = tl.maximum(lo, (first_q // attention_chunk) * attention_chunk)
+    lo = (tl.maximum(lo, 0) // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink as a key already seen: max = its logit, sum = exp2(0) = 1, no value
+        m_i = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # log2(e): softmax in base 2
     if HAS_ALIBI:  # per-row slope, in the kernel's base-2 units
@@ -185,6 +195,8 @@ def _paged_attn_kernel(
         visible = (j[None, :] <= qpos[:, None]) & j_ok[None, :]
         if HAS_WINDOW:
             visible = visible & (j[None, :] > qpos[:, None] - sliding_window)
+        if HAS_CHUNK:
+            visible = visible & (j[None, :] >= (qpos[:, None] // attention_chunk) * attention_chunk)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -258,7 +270,8 @@ def triton_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, *, scale: float, softcap: float = 0.0,
                            sliding_window: int = -1, lse: torch.Tensor | None = None,
-                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                           alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                           attention_chunk: int = -1) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the (already written) paged cache; [T, Hq, Dv] in q's dtype.
 
     With ``lse`` (float32 [T, Hq]) also stores each row's log2-sum-exp2 of its scores (in the
@@ -281,10 +294,11 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, attn = _kernels()
     lse_t = lse if lse is not None else out
     slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous() if alibi_slopes is not None else out
+    sink_t = sinks.to(device=q.device, dtype=torch.float32).contiguous() if sinks is not None else out
     attn[grid](
-        q, k_cache, v_cache, out, lse_t, slopes,
+        q, k_cache, v_cache, out, lse_t, slopes, sink_t,
         bt, meta.seq_lens, meta.query_start_loc,
-        float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window),
+        float(scale), float(softcap) if softcap > 0 else 1.0, int(sliding_window), max(int(attention_chunk), 1),
         *q.stride(), *out.stride(), lse_t.stride(0), lse_t.stride(1),
         *k_cache.stride(), *v_cache.stride(), bt.stride(0), bt.stride(1),
         GROUP=G, PAGE=k_cache.shape[1],
@@ -294,7 +308,8 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # fp32 inputs: IEEE fp32 dots (no TF32). The interpreter's bf16 dot is broken (it multiplies
         # the raw bits), so there bf16 operands are upcast and use the same fp32 path.
         IEEE_DOT=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
-        STORE_LSE=lse is not None, HAS_ALIBI=alibi_slopes is not None,
+        STORE_LSE=lse is not None, HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None,
+        HAS_CHUNK=attention_chunk > 0,
         num_warps=num_warps, **({} if interp else {"num_stages": 2}),
     )
     return out
@@ -315,14 +330,17 @@ class TritonPagedBackend:
         return device.type == "cpu" and interpreting()
 
     def supports(self, *, dtype: torch.dtype, head_dim: int, softcap: float, sliding_window: int,
-                 block_size: int | None = None, alibi: bool = False) -> bool:
+                 block_size: int | None = None, alibi: bool = False, sinks: bool = False,
+                 attention_chunk: int = -1) -> bool:
         # Any block_size works: kv positions are mapped to pages one by one, not per tile.
         return HAVE_TRITON and dtype in _SUPPORTED_DTYPES and 0 < head_dim <= _MAX_HEAD_DIM
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, alibi_slopes=None,
+                sinks=None, attention_chunk=-1):
         triton_write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return triton_paged_attention(q, k_cache, v_cache, meta, scale=scale, softcap=softcap,
-                                      sliding_window=sliding_window, alibi_slopes=alibi_slopes)
+                                      sliding_window=sliding_window, alibi_slopes=alibi_slopes, sinks=sinks,
+                                      attention_chunk=attention_chunk)
 
     def forward_with_scores(self, q, k, v, k_cache, v_cache, meta, *, scale, softcap, sliding_window, rows):
         """:meth:`forward` plus the attention mass of batch ``rows`` ({row: [Hkv, kv_len]}), from the

@@ -8,7 +8,8 @@
 // - paged_attention (CPU kernel): skips Python altogether. The runtime pushes the step's rows /
 //   block tables / lengths / chunk and the whole KV pool once per step (cpu_decode_step_push,
 //   thread-local, a stack so step contexts nest); each layer's call then runs here when a step is
-//   pushed and its tensors fit (one dtype, last dims contiguous, no soft-cap, no sliding window),
+//   pushed and its tensors fit (one dtype, last dims contiguous, no soft-cap, no sliding window,
+//   no ALiBi slopes, no attention sinks, no attention chunk),
 //   and every other call is redispatched to the op's Python kernel (CompositeExplicitAutograd),
 //   which implements all of them with the same result. cpu_decode_step_pop returns how many
 //   layers ran here.
@@ -129,14 +130,16 @@ int64_t cpu_decode_step_pop() {
 }
 
 using AttentionSignature = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, int64_t, double,
-                                      double, int64_t, const std::optional<at::Tensor> &);
+                                      double, int64_t, const std::optional<at::Tensor> &,
+                                      const std::optional<at::Tensor> &, int64_t);
 
 at::Tensor paged_attention_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t layer,
                                double scale, double softcap, int64_t sliding_window,
-                               const std::optional<at::Tensor> &alibi_slopes) {
-    // ALiBi calls (alibi_slopes given) go to the Python kernel, which applies the bias
+                               const std::optional<at::Tensor> &alibi_slopes, const std::optional<at::Tensor> &sinks,
+                               int64_t attention_chunk) {
+    // ALiBi, sink and chunked calls go to the Python kernel, which applies the bias, the sinks or the chunk
     if (!steps.empty() && steps.back().pool.defined() && softcap <= 0 && sliding_window <= 0 &&
-        !alibi_slopes.has_value()) {
+        !alibi_slopes.has_value() && !sinks.has_value() && attention_chunk <= 0) {
         DecodeStep &s = steps.back();
         if (layer >= 0 && layer < s.pool.size(0)) {
             const at::Tensor layer_pool = s.pool.select(0, layer);
@@ -150,7 +153,7 @@ at::Tensor paged_attention_cpu(const at::Tensor &q, const at::Tensor &k, const a
     static auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("devin::paged_attention", "").typed<AttentionSignature>();
     return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), q, k, v, layer, scale,
-                         softcap, sliding_window, alibi_slopes);
+                         softcap, sliding_window, alibi_slopes, sinks, attention_chunk);
 }
 
 }  // namespace

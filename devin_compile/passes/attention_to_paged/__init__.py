@@ -23,7 +23,11 @@ Matching details that hold across families:
 
 - export's metadata asserts (``_assert_tensor_metadata`` on the softmax output) are not
   counted as users when walking softmax → cast → dropout → matmul;
-- the scale may be ``mul``/``div`` by a constant, also in place (Falcon's ``scores /= √d``);
+- the scale may be ``mul``/``div`` by a constant, also in place (Falcon's ``scores /= √d``), on the
+  scores or on q or kᵀ right at the product (``scores.py``); a query scaled before its views
+  (XGLM) stays scaled and the op gets scale 1;
+- the products may be ``matmul``, head-first 4-D ``einsum`` or ``bmm`` over [B·H, T, D] views;
+  masks may be added, ``masked_fill``ed, ``where``-filled or clamped with ``max(s, finfo.min)``;
 - the key may be broadcast rather than repeated (multi-query ``q @ kᵀ`` with one KV head);
 - each site is assigned to its layer through ``ModelInfo.attention_modules`` (the
   innermost enclosing attention module), so layer naming (``h.N.attn``, ``layers.N.attention``)
@@ -33,11 +37,17 @@ Matching details that hold across families:
   masks and casts between the scores and the softmax are walked through;
 - every term added to the scores (``+ mask``, ``baddbmm``'s input, SDPA's float ``attn_mask``)
   is evaluated on a probe (``alibi.py``): a mask is dropped, ALiBi becomes a per-head
-  ``alibi_slopes`` buffer passed as the op's last argument, anything else is a ``PassError``;
+  ``alibi_slopes`` buffer passed as the op's eighth argument, anything else is a ``PassError``;
+- attention sinks (gpt-oss: ``softmax(cat([scores, sink], -1) − rowmax)[..., :-1]``, ``sinks.py``):
+  the extra column is read on the same probe and becomes a per-head ``sinks=`` buffer;
+- a layer whose mask is chunked (``ModelInfo.attention_chunks``, Llama 4's local layers) gets
+  ``attention_chunk=C``;
+- positions an attention module computes as ``arange`` over the step's tokens (right only without
+  a cache, on one sequence: Llama 4's attention temperature tuning) read ``position_ids`` instead
+  (``positions.py``);
 - K and V head sizes must equal ``ModelInfo.head_dim`` (the paged cache's one head size),
   else the pass fails; models with multi-head latent attention (``ModelInfo.mla``) are
-  rewritten to ``devin::mla_attention`` instead (``mla.py``); attention sinks (extra
-  logit columns) do not match and fail the invariant.
+  rewritten to ``devin::mla_attention`` instead (``mla.py``).
 """
 from __future__ import annotations
 
@@ -53,12 +63,14 @@ from ...graph_utils import add_call, add_constant, eliminate_dead_code, fake_lik
 from ...pipeline import Pass, PassContext, PassError, PassResult
 from .alibi import PROBE_LEN, SubgraphEvaluator, additive_bias, fit_alibi
 from .mla import build_mla_attention, drop_dead_copies
+from .positions import arange_positions
+from .sinks import fit_sinks
 from .sites import AttentionSite, batched_heads, find_attention_sites, flat_heads, strip_repeat_kv
 
 
 @dataclass
 class _Layer:
-    """One attention layer's site, ready to rewrite: un-repeated k and v, scale, ALiBi slopes."""
+    """One attention layer's site, ready to rewrite: un-repeated k and v, scale, ALiBi slopes, sinks."""
 
     index: int
     path: str
@@ -67,6 +79,7 @@ class _Layer:
     v: torch.fx.Node
     scale: float
     slopes: torch.Tensor | None
+    sinks: torch.Tensor | None = None
 
 
 class AttentionToPaged(Pass):
@@ -90,11 +103,20 @@ class AttentionToPaged(Pass):
         if copies:  # dead now, but DCE keeps in-place ops
             drop_dead_copies(gm, copies)
             eliminate_dead_code(gm)
-        alibi_layers = sum(layer.slopes is not None for layer in layers)
-        alibi = f", ALiBi slopes on {alibi_layers}" if alibi_layers else ""
-        alibi += ", multi-head latent attention (latent KV cache)" if info.mla is not None else ""
+        moved = arange_positions(gm, info.attention_modules)  # after DCE: the masks' aranges are gone
+        positions = f", positions from position_ids in {len(set(moved))}" if moved else ""
         return PassResult(matches=len(layers),
-                          note=f"{len(layers)} layers{alibi}; {done.delta(gm)} (mask/bias subgraph dead)")
+                          note=f"{len(layers)} layers{_terms_note(layers, info)}{positions}; {done.delta(gm)} "
+                               "(mask/bias subgraph dead)")
+
+
+def _terms_note(layers: list[_Layer], info: ModelInfo) -> str:
+    """What the report says about per-head terms and chunks: ", ALiBi slopes on 2, sinks on 2", ..."""
+    counts = (("ALiBi slopes", sum(layer.slopes is not None for layer in layers)),
+              ("attention sinks", sum(layer.sinks is not None for layer in layers)),
+              ("chunked attention", sum(info.attention_chunks.get(layer.path, -1) > 0 for layer in layers)))
+    note = "".join(f", {what} on {n}" for what, n in counts if n)
+    return note + (", multi-head latent attention (latent KV cache)" if info.mla is not None else "")
 
 
 def _sites_by_layer(gm: torch.fx.GraphModule, info: ModelInfo) -> list[tuple[str, AttentionSite]]:
@@ -120,18 +142,20 @@ def _sites_by_layer(gm: torch.fx.GraphModule, info: ModelInfo) -> list[tuple[str
 
 
 def _prepare(evaluator: SubgraphEvaluator, info: ModelInfo, index: int, path: str, site: AttentionSite) -> _Layer:
-    """Classify the site's score terms (mask or ALiBi), undo repeat_kv and check the heads."""
+    """Classify the site's score terms (mask or ALiBi) and sinks, undo repeat_kv and check the heads."""
     slopes = _alibi_slopes(evaluator, info, path, site)
+    sinks = fit_sinks(evaluator, site.sink, info.num_heads, path) if site.sink is not None else None
     k = strip_repeat_kv(site.k, info.num_kv_heads)
     v = strip_repeat_kv(site.v, info.num_kv_heads)
     if info.mla is not None:  # multi-head latent attention: the cache holds latents (mla.py)
-        if slopes is not None or site.softcap:
-            raise PassError(f"{path}: multi-head latent attention with ALiBi or a soft-cap is unsupported")
+        if slopes is not None or sinks is not None or site.softcap or info.attention_chunks.get(path, -1) > 0:
+            raise PassError(f"{path}: multi-head latent attention with ALiBi, attention sinks, chunked attention "
+                            "or a soft-cap is unsupported")
     else:
         _check_kv_heads(info, path, k, v)
     head_dim = node_shape(site.q)[-1]
     scale = site.scale if site.scale is not None else 1.0 / math.sqrt(head_dim)
-    return _Layer(index, path, site, k, v, scale, slopes)
+    return _Layer(index, path, site, k, v, scale, slopes, sinks)
 
 
 def _alibi_slopes(evaluator: SubgraphEvaluator, info: ModelInfo, path: str, site: AttentionSite) -> torch.Tensor | None:
@@ -173,11 +197,22 @@ def _paged_attention(gm: torch.fx.GraphModule, layer: _Layer, info: ModelInfo) -
     window = int(info.sliding_windows.get(layer.path, -1))
     args = (*flat, layer.index, float(layer.scale), float(site.softcap), window)
     if layer.slopes is not None:  # ALiBi: per-head slopes, a constant of the graph
-        slopes = layer.slopes.to(info.device)
-        args = (*args, add_constant(gm, f"alibi_slopes_{layer.index}", slopes, fake_like(site.q, slopes),
-                                    persistent=True))
-    out = add_call(graph, torch.ops.devin.paged_attention.default, args, like=site.output)
+        args = (*args, _head_constant(gm, f"alibi_slopes_{layer.index}", layer.slopes, site.q, info))
+    kwargs = {}
+    if layer.sinks is not None:  # attention sinks: one logit per head, a constant of the graph
+        kwargs["sinks"] = _head_constant(gm, f"attention_sinks_{layer.index}", layer.sinks, site.q, info)
+    chunk = int(info.attention_chunks.get(layer.path, -1))
+    if chunk > 0:
+        kwargs["attention_chunk"] = chunk
+    out = add_call(graph, torch.ops.devin.paged_attention.default, args, kwargs, like=site.output)
     return batched_heads(graph, out, site.output)
+
+
+def _head_constant(gm: torch.fx.GraphModule, name: str, values: torch.Tensor, like: torch.fx.Node,
+                   info: ModelInfo) -> torch.fx.Node:
+    """A per-head float32 vector as a persistent graph buffer (a ``get_attr`` node)."""
+    values = values.to(info.device)
+    return add_constant(gm, name, values, fake_like(like, values), persistent=True)
 
 
 __all__ = ["AttentionSite", "AttentionToPaged", "find_attention_sites"]

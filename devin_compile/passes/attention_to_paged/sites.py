@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ...graph_utils import RESHAPES, add_call, is_call
+from ...graph_utils import RESHAPES, add_call, is_call, node_shape
 from ...pipeline import PassError
-from .scores import as_4d, peel_scores
+from .scores import as_4d, einsum_operands, peel_scores
+from .sinks import drop_sink_column, peel_sink
 
 aten = torch.ops.aten
 
@@ -29,6 +30,7 @@ class AttentionSite:
     form: str  # "sdpa" | "eager"
     # (node, coefficient, ndim-of-scores) terms added to the scaled scores: masks, or an ALiBi bias
     bias_terms: list = None
+    sink: torch.fx.Node | None = None  # the extra softmax column of attention sinks (sinks.py)
 
 
 # torch.export's metadata checks (e.g. after ``softmax(..., dtype=float32).to(float32)``):
@@ -55,14 +57,18 @@ def _match_sdpa(node: torch.fx.Node) -> AttentionSite | None:
 
 
 def _match_eager(node: torch.fx.Node) -> AttentionSite | None:
-    if not is_call(node, *_SOFTMAX) or node.args[1] not in (-1, 3):
+    ndim = len(node_shape(node) or ())
+    if not is_call(node, *_SOFTMAX) or ndim == 0 or node.args[1] % ndim != ndim - 1:
         return None
-    # Forward: softmax → [cast] → [dropout] → matmul(·, v)
-    cur = node
+    # Forward: softmax → [sink column dropped] → [cast] → [dropout] → matmul(·, v)
+    cur, sliced = node, False
     while True:
         nxt = _single_user(cur)
         if nxt is None:
             return None
+        if cur is node and drop_sink_column(nxt):
+            cur, sliced = nxt, True
+            continue
         if is_call(nxt, *_CASTS):
             cur = nxt
             continue
@@ -75,8 +81,11 @@ def _match_eager(node: torch.fx.Node) -> AttentionSite | None:
             cur = nxt
             continue
         break
+    pair = einsum_operands(nxt, "pv")
     if is_call(nxt, aten.matmul.default) and nxt.args[0] is cur:
         pv, v = nxt, nxt.args[1]
+    elif pair is not None and pair[0] is cur:
+        pv, v = nxt, pair[1]
     elif is_call(nxt, aten.bmm.default) and nxt.args[0] is cur:
         # [H, T, Dv] = bmm(probs, v3): the site's output is its view back to [1, H, T, Dv]
         pv, v = _single_user(nxt), as_4d(nxt.args[1])
@@ -84,12 +93,14 @@ def _match_eager(node: torch.fx.Node) -> AttentionSite | None:
             return None
     else:
         return None
-    # Backward: scores [+ mask/bias] ← [softcap] ← [· scale] ← matmul(q, kᵀ) | baddbmm(bias, q, kᵀ)
-    peeled = peel_scores(node.args[0])
+    # Backward: [cat(·, sink)] [− row max] ← scores [+ mask/bias] ← [softcap] ← [· scale] ← matmul(q, kᵀ)
+    # | baddbmm(bias, q, kᵀ)
+    split = peel_sink(node.args[0], sliced)
+    peeled = peel_scores(split[0]) if split is not None else None
     if peeled is None:
         return None
     q, k, scale, softcap, terms = peeled
-    return AttentionSite(pv, q, k, v, 1.0 if scale is None else scale, softcap, "eager", terms)
+    return AttentionSite(pv, q, k, v, 1.0 if scale is None else scale, softcap, "eager", terms, split[1])
 
 
 def _skip_full_slices(x: torch.fx.Node) -> torch.fx.Node:
