@@ -39,10 +39,13 @@ class GatedLRU(LRUCache):
         super().__init__(1 << 24)
         self.gate = threading.Event()
         self.calls: list[str] = []
+        self.nice: list[int] = []  # the storing thread's nice value at each set
 
     def set(self, key, value, ttl_s=None) -> bool:
         assert self.gate.wait(30), "gate never opened"
         self.calls.append(key)
+        if sys.platform == "linux":
+            self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         return super().set(key, value, ttl_s)
 
 
@@ -142,6 +145,8 @@ def test_close_drains_or_discards_and_a_later_submit_restarts():
     threading.Timer(0.2, target.gate.set).start()
     w.close(drain=False)  # the block being stored finishes; the queued rest is discarded
     assert w.published + w.discarded == 6 and w.discarded >= 1 and w.queue_depth == 0
+    if sys.platform == "linux":  # the thread stored below the process's priority
+        assert set(target.nice) == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)}
     assert not w.known(f"k{1000 + 5}")  # discarded: not stored, so not remembered
 
 
