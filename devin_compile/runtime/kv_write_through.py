@@ -138,9 +138,14 @@ class WriteThrough:
             return None
         idx = torch.tensor([block for _, block, _ in todo], dtype=torch.long, device=data.device)
         gathered = data.index_select(2, idx)  # one gather on the device, then one transfer per block
+        cuda = data.device.type == "cuda"
+        if not cuda:  # another accelerator: one transfer, waited for here
+            gathered = gathered.cpu()
         for i, (_, _, buffer) in enumerate(todo):
-            buffer.copy_(gathered[:, :, i], non_blocking=True)
-        ready = torch.cuda.Event()
+            buffer.copy_(gathered[:, :, i], non_blocking=cuda)
+        if not cuda:
+            return None
+        ready = torch.cuda.Event()  # the thread waits for it, not the step
         ready.record()
         return ready
 
