@@ -128,6 +128,9 @@ def test_store_faults_are_counted_never_raised(caplog):
     w2.submit(entries([0, 1]))  # the first set raises: logged and counted, the thread goes on
     assert w2.flush(30) and (w2.published, w2.failed) == (1, 1) and broken.get("k1001") is not None
     assert "KV write-through of k1000 failed" in caplog.text
+    w2.pool = PagedKVCache(KVCacheSpec(3, 1, 4, torch.float32, 2), 8)  # copying out of it fails: another shape
+    w2.submit(entries([5]))
+    assert (w2.failed, w2.queue_depth) == (2, 0) and not w2.known("k1005") and "could not copy" in caplog.text
     w.close()
     w2.close()
 

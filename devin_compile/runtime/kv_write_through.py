@@ -102,7 +102,13 @@ class WriteThrough:
                 buffer = self._free.pop() if self._free else None
             todo.append((key, e.block, buffer if buffer is not None else self._new_buffer()))
         if todo:
-            ready = self._stage(todo)
+            try:
+                ready = self._stage(todo)
+            except Exception:  # noqa: BLE001  (publishing must never fail the step)
+                log.exception("KV write-through could not copy %d blocks out of the pool; not published", len(todo))
+                for key, _, buffer in todo:
+                    self._done(_Item(key, buffer), stored=False)
+                return
             self._ensure_thread()
             for key, _, buffer in todo:
                 self._queue.put(_Item(key, buffer, ready))
