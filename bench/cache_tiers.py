@@ -17,7 +17,9 @@ Three comparisons, each configuration run side by side in one process, ``--repea
    The replicas are two engines in this process, sharing nothing but the Redis server.
 3. **cost when nothing hits** (``mixed-16``, unrelated prompts, ``--cost-new-tokens`` new tokens each,
    ``max_num_seqs`` 4, a pool that evicts but never preempts): generated tokens/s with host LRU +
-   Redis tiers on vs off; every evicted block is published, no lookup finds one.
+   Redis tiers on vs off; every registered block is written through to Redis and every evicted one
+   published to the host tier, no lookup finds one. (Replicas sharing a prefix the first one still holds:
+   bench/replica_share.py.)
 
 Greedy outputs are compared with a reference run whose pool is large enough to keep the preamble
 (so every wave reuses it, as loading it back does): in bf16, recomputing a prefix instead of reusing
@@ -155,7 +157,7 @@ def replicas(rep: Replicas, waves: list[list], pool: int, url: str, prefix: str,
     tiers = [{"backend": "host_lru", "max_bytes": 2 << 30}, {"backend": "redis", "url": url, "key_prefix": prefix}]
     first = rep.engine(pool, tiers)
     run_batch(first, waves[0])
-    filler(first, vocab, seed=0)  # the preamble is evicted: it goes to the host tier and (write-through) Redis
+    filler(first, vocab, seed=0)  # the preamble is evicted into the host tier (Redis got it when it was registered)
     replica = rep.engine(pool, tiers)
     second = run_batch(replica, waves[1])
     alone = run_batch(rep.engine(pool), waves[1])

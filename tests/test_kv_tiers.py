@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
-import os
 import random
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -41,7 +37,6 @@ from devin_compile.runtime.sequence import Status
 VOCAB = 256
 BS = 4
 POOL = 12  # blocks of 4: a 39-token request and then a 48-token one cannot both stay cached
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def toks(n: int, seed: int) -> list[int]:
@@ -68,9 +63,12 @@ def greedy(n: int = 4) -> SamplingParams:
 
 
 def run_one(engine: Engine, prompt: list[int], n: int = 4):
+    """Run ``prompt`` to the end, then wait until the write-through tiers have its blocks."""
     rid = engine.add_request(prompt, greedy(n))
     while engine.has_unfinished():
         engine.step()
+    if engine.kv.tiers is not None:
+        assert engine.kv.tiers.flush(30)
     return engine.requests[rid]
 
 
@@ -129,12 +127,13 @@ def assert_same_kv(engine: Engine, ref: Engine, tokens: list[int]) -> None:
 def _tiers(kind: str, url: str | None, block: int) -> list[dict]:
     return {"host_lru": [{"backend": "host_lru", "max_bytes": 1 << 20}],
             "redis": [{"backend": "redis", "url": url}],
+            "redis-on-eviction": [{"backend": "redis", "url": url, "write_through": False}],
             # three blocks fit the host tier: the other five are loaded from Redis (and promoted)
             "host_ttl+redis": [{"backend": "host_ttl", "max_bytes": 3 * block, "ttl_s": 600},
                                {"backend": "redis", "url": url}]}[kind]
 
 
-@pytest.mark.parametrize("kind", ["host_lru", "redis", "host_ttl+redis"])
+@pytest.mark.parametrize("kind", ["host_lru", "redis", "redis-on-eviction", "host_ttl+redis"])
 def test_evicted_preamble_is_restored_from_a_tier(opt, kind, request):
     url = request.getfixturevalue("redis_server").url if "redis" in kind else None
     engine = make_engine(opt, _tiers(kind, url, value_bytes(opt)))
@@ -174,39 +173,7 @@ def test_optimize_option_and_stats(redis_server):  # noqa: F811
 
 
 # ----------------------------------------------------------------------------------------
-# Redis: another process, tampered values, a server killed mid-run
-
-SCRIPT = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import torch
-torch.set_num_threads(1)
-import devin_compile as dc
-from test_kv_tiers import A, BS, POOL, run_one, tiny_llama
-opt = dc.optimize(tiny_llama(), num_kv_blocks=POOL, block_size=BS, kv_cache_tiers=[{{"backend": "redis", "url": sys.argv[1]}}])
-seq = run_one(opt.engine, A)
-stats = opt.engine.kv_stats()
-print(json.dumps({{"output": seq.output_ids, "tier_hit_tokens": seq.metrics.tier_hit_tokens,
-                  "hits": stats["kv_tier_hits"], "redis_hits": stats["kv_tiers"][0]["hits"]}}))
-"""
-
-
-def test_second_process_reuses_the_first_ones_blocks(redis_server, tmp_path):  # noqa: F811
-    first = dc.optimize(tiny_llama(), num_kv_blocks=POOL, block_size=BS,
-                        kv_cache_tiers=[{"backend": "redis", "url": redis_server.url}])
-    out_a = run_one(first.engine, A).output_ids
-    run_one(first.engine, B)  # evicts A's blocks: they go to Redis
-    assert first.engine.kv_stats()["kv_tier_published_blocks"] >= 9
-    script = tmp_path / "second.py"
-    script.write_text(SCRIPT.format(tests=HERE))
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
-    proc = subprocess.run([sys.executable, str(script), redis_server.url], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    second = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert second["tier_hit_tokens"] == 32 and second["hits"] == second["redis_hits"] == 8
-    assert second["output"] == out_a == hf(A)
-
+# Redis: tampered values, a server killed mid-run (another process: test_kv_write_through.py)
 
 @pytest.mark.parametrize("tamper,block", [("truncated", 2), ("shape", 5), ("fingerprint", 0)])
 def test_tampered_value_in_redis_is_rejected_and_recomputed(opt, redis_server, tamper, block):  # noqa: F811
@@ -262,9 +229,15 @@ def test_tier_options_are_validated():
         {"backend": "host_lru", "max_bytes": 2 << 30}, {"backend": "host_ttl", "max_bytes": 1 << 20, "ttl_s": 5},
         {"backend": "redis", "url": "redis://127.0.0.1:6379/0", "ttl_s": 3600}]}).kv_cache_tiers
     assert [type(t) for t in tiers] == [HostLRUTier, HostTTLTier, RedisTier] and tiers[2].ttl_s == 3600
+    assert [t.write_through for t in tiers] == [False, False, True]  # the defaults: only Redis is written through
     bad = [
         ([{"backend": "disk"}], r"backend='disk' is unknown; valid backends: \['host_lru', 'host_ttl', 'redis'\]"),
-        ([{"backend": "host_lru", "maxbytes": 1}], r"unknown keys \['maxbytes'\]; valid keys: \['max_bytes', 'backend'\]"),
+        ([{"backend": "host_lru", "maxbytes": 1}],
+         r"unknown keys \['maxbytes'\]; valid keys: \['max_bytes', 'write_through', 'backend'\]"),
+        ([{"backend": "host_lru", "max_bytes": 1, "write_through": "yes"}],
+         r"host_lru\]\.write_through='yes' must be True or False"),
+        ([{"backend": "host_ttl", "max_bytes": 1, "ttl_s": 1, "write_through": 1}], r"write_through=1 must be True"),
+        ([{"backend": "redis", "url": "redis://x", "write_through": None}], r"redis\]\.write_through=None"),
         ([{"backend": "host_ttl", "max_bytes": 1}], r"needs \['ttl_s'\]"),
         ([{"backend": "host_lru", "max_bytes": -1}], r"max_bytes=-1 must be a positive integer"),
         ([{"backend": "redis", "url": "redis://x"}, {"backend": "host_lru", "max_bytes": 1}], "must come last"),

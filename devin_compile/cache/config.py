@@ -3,16 +3,18 @@
     kv_cache_tiers=[{"backend": "host_lru", "max_bytes": 2 << 30},
                     {"backend": "redis", "url": "redis://127.0.0.1:6379/0", "ttl_s": 3600}]
 
-Tiers are listed fastest first. A prefix block the paged pool evicts goes to the first tier; a host
-tier that evicts passes the block to the next one. Backends:
+Tiers are listed fastest first. A tier with ``write_through`` (default: True for Redis, False for
+host tiers) gets every prefix block as soon as the pool registers it (a background thread stores
+it), so other replicas can load a prefix while this process still holds it. A block the paged pool
+evicts goes to the first tier without ``write_through``; a host tier that evicts passes the block
+to the next one (unless that one is written through: it has the block already). Backends:
 
 - ``host_lru``: :class:`.LRUCache` in this process, bounded by ``max_bytes``;
 - ``host_ttl``: :class:`.TTLCache`, bounded by ``max_bytes``, entries live ``ttl_s`` seconds;
 - ``redis``: :class:`.RedisCache` at ``url`` (entries expire after ``ttl_s`` when given; the
   server's ``maxmemory`` bounds it), shared by every process using the same server. It must be
-  the last tier (Redis evicts on the server and cannot pass blocks down). With ``write_through``
-  (the default) every published block also goes to Redis at once, so other replicas can load it
-  before this process's host tiers spill it.
+  the last tier (Redis evicts on the server and cannot pass blocks down). ``write_through=False``:
+  it gets only what the pool (or the host tier above it) evicts.
 
 :func:`coerce` validates the list (``ValueError`` naming the bad key and the valid ones);
 :func:`build_backends` makes the backends.
@@ -29,6 +31,11 @@ from .redis_cache import RedisCache
 from .ttl import TTLCache
 
 
+def _flag(what: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}={value!r} must be True or False")
+
+
 def _positive(what: str, value: Any, *, integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
@@ -40,10 +47,12 @@ class HostLRUTier:
     """Host memory, least recently used block evicted first (to the next tier)."""
 
     max_bytes: int
+    write_through: bool = False
     backend: str = "host_lru"
 
     def __post_init__(self) -> None:
         _positive("kv_cache_tiers[host_lru].max_bytes", self.max_bytes, integer=True)
+        _flag("kv_cache_tiers[host_lru].write_through", self.write_through)
 
     def build(self) -> CacheBackend:
         return LRUCache(self.max_bytes)
@@ -55,11 +64,13 @@ class HostTTLTier:
 
     max_bytes: int
     ttl_s: float
+    write_through: bool = False
     backend: str = "host_ttl"
 
     def __post_init__(self) -> None:
         _positive("kv_cache_tiers[host_ttl].max_bytes", self.max_bytes, integer=True)
         _positive("kv_cache_tiers[host_ttl].ttl_s", self.ttl_s)
+        _flag("kv_cache_tiers[host_ttl].write_through", self.write_through)
 
     def build(self) -> CacheBackend:
         return TTLCache(self.max_bytes, self.ttl_s)
@@ -84,8 +95,7 @@ class RedisTier:
         _positive("kv_cache_tiers[redis].timeout_s", self.timeout_s)
         if not isinstance(self.key_prefix, str) or not self.key_prefix:
             raise ValueError(f"kv_cache_tiers[redis].key_prefix={self.key_prefix!r} must be a non-empty string")
-        if not isinstance(self.write_through, bool):
-            raise ValueError(f"kv_cache_tiers[redis].write_through={self.write_through!r} must be True or False")
+        _flag("kv_cache_tiers[redis].write_through", self.write_through)
 
     def build(self) -> CacheBackend:
         return RedisCache(self.url, self.ttl_s, timeout_s=self.timeout_s, key_prefix=self.key_prefix)

@@ -68,7 +68,10 @@ def add_optimize_arguments(p) -> None:
                    help="keep prefix KV blocks the pool evicts in a host-memory LRU tier of this many bytes")
     p.add_argument("--kv-cache-redis", metavar="URL",
                    help="share prefix KV blocks across replicas through Redis, e.g. redis://127.0.0.1:6379/0 "
-                        "(the last tier, below --kv-cache-host-bytes)")
+                        "(the last tier, below --kv-cache-host-bytes); a prefix block goes there as soon as it "
+                        "is computed")
+    p.add_argument("--no-kv-cache-redis-write-through", dest="kv_cache_redis_write_through", action="store_false",
+                   help="send Redis only the prefix blocks this process evicts, not every block it computes")
     common.add_speculative_arguments(p, "decode with speculative decoding by this method (a server request can "
                                         "turn it off or tune it with the extra body field \"speculative\")")
     common.add_quant_arguments(p)
@@ -168,7 +171,8 @@ def optimize_options(args) -> dict:
     if args.kv_cache_host_bytes is not None:
         tiers.append({"backend": "host_lru", "max_bytes": args.kv_cache_host_bytes})
     if args.kv_cache_redis is not None:
-        tiers.append({"backend": "redis", "url": args.kv_cache_redis})
+        tiers.append({"backend": "redis", "url": args.kv_cache_redis,
+                      "write_through": args.kv_cache_redis_write_through})
     if tiers:
         options["kv_cache_tiers"] = tiers
     options = common.check_options(args, **common.quant_options(args, options))

@@ -52,12 +52,14 @@ class AsyncEngine:
         await self.close()
 
     async def close(self) -> None:
-        """Stop the step thread after the current step (requests still in flight are aborted)."""
+        """Stop the step thread after the current step (requests still in flight are aborted), then
+        let the engine store what its KV tiers' write-through queue holds."""
         self._closed = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        await asyncio.to_thread(self.engine.close)
 
     def _ensure_thread(self) -> None:
         if self._closed:

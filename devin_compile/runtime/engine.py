@@ -314,6 +314,11 @@ class Engine:
         Blocks held by running requests stay registered."""
         return self.kv.evict_cached()
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Store what the KV tiers' write-through queue holds (at most ``timeout_s``) and stop its
+        thread; the engine stays usable (a later registered block starts it again)."""
+        self.kv.close(timeout_s)
+
     def _slot_usage(self) -> tuple[int, int]:
         """(slots holding live tokens, slots in blocks held by requests); a shared block counts once."""
         return slot_usage(self.scheduler.running, self.runner.block_size)

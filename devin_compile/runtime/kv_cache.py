@@ -27,9 +27,21 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence as Seq
 
+import numpy as np
 import torch
 
 from .prefix_cache import CachedBlock, PrefixCache
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of same-sized ints (numpy has no bfloat16).
+
+    Block copies on the host go through numpy: a few hundred KB per block is under torch's
+    parallel grain yet above it per op, and on a busy CPU each threaded copy waits for its
+    OpenMP team (milliseconds); numpy copies in the calling thread."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
 
 
 class KVCacheExhaustedError(RuntimeError):

@@ -19,7 +19,8 @@ computed twice (identical prompts admitted together) is folded onto the register
 KV tiers (:class:`~devin_compile.runtime.kv_tiers.KVTiers`): after the pool's match, the next
 blocks of the chain are looked up in the tiers, once the sequence is sure to be admitted, and as
 many as the free blocks allow are copied into fresh blocks; they count as computed and are
-registered at once. Blocks the pool evicts are published to the tiers.
+registered at once. Blocks registered from computed tokens go to the write-through tiers at once
+(:meth:`KVTiers.register`); blocks the pool evicts are published to the others.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence as Seq
 
 from .kv_cache import BlockAllocator
-from .prefix_cache import ROOT, PrefixCache, PrefixChain
+from .prefix_cache import ROOT, CachedBlock, PrefixCache, PrefixChain
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -181,11 +182,12 @@ class KVManager:
         tokens = len(loaded) * self.block_size
         seq.num_computed += tokens
         seq.metrics.tier_hit_tokens += tokens
-        self.commit(seq)
+        self.commit(seq, write_through=False)  # a tier has them
 
     # -- after a step -------------------------------------------------------------
-    def commit(self, seq: Sequence) -> None:
-        """After a step computed ``seq``'s tokens: register its blocks that just became full."""
+    def commit(self, seq: Sequence, *, write_through: bool = True) -> None:
+        """After a step computed ``seq``'s tokens: register its blocks that just became full (and
+        hand the newly registered ones to the tiers' write-through)."""
         cache = self.prefix_cache
         if cache is None or seq.status.done:
             return
@@ -195,18 +197,23 @@ class KVManager:
             return
         tokens = seq.all_ids
         cache.hash_blocks(chain, tokens, full)
+        new: list[CachedBlock] = []
         for j in range(len(chain.entries), full):
-            if not self._register(seq, chain, j, tokens[j * self.block_size:(j + 1) * self.block_size]):
-                return
+            if not self._register(seq, chain, j, tokens[j * self.block_size:(j + 1) * self.block_size], new):
+                break
+        if new and write_through and self.tiers is not None:
+            self.tiers.register(new)
 
-    def _register(self, seq: Sequence, chain: PrefixChain, j: int, block_tokens: list[int]) -> bool:
-        """Register ``seq``'s full block ``j`` (or fold it onto the registered copy); False when the
-        hash is taken by other content, which ends the chain's registration."""
+    def _register(self, seq: Sequence, chain: PrefixChain, j: int, block_tokens: list[int],
+                  new: list[CachedBlock]) -> bool:
+        """Register ``seq``'s full block ``j`` (appended to ``new``) or fold it onto the registered
+        copy; False when the hash is taken by other content, which ends the chain's registration."""
         cache, table = self.prefix_cache, seq.block_table
         parent = chain.entries[-1] if chain.entries else ROOT
         e = cache.get(chain.hashes[j])
         if e is None:
             e = cache.insert(table[j], chain.hashes[j], parent, block_tokens, publish=seq.kv_prune_config is None)
+            new.append(e)
         elif not cache.trusted(e, parent, block_tokens):
             cache.stats.rejected += 1
             chain.broken = True
@@ -260,6 +267,11 @@ class KVManager:
             yield blocks
         finally:
             self.allocator.free(blocks)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the tiers' write-through thread, storing what it has queued (at most ``timeout_s``)."""
+        if self.tiers is not None:
+            self.tiers.drain(timeout_s)
 
     def evict_cached(self) -> int:
         """Forget every cached block no request holds; returns how many were dropped."""

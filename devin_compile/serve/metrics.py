@@ -14,6 +14,10 @@ units in the name, ``_total`` counters), all under ``devin_``:
   ``devin_kv_blocks_used``, ``devin_kv_blocks_total``;
 - ``devin_prefix_cache_hit_tokens_total``, ``devin_preemptions_total``,
   ``devin_kv_prune_evicted_tokens_total``;
+- with KV cache tiers, per tier ``devin_kv_tier_{hits,misses,rejected,errors}_total``,
+  ``devin_kv_tier_load_seconds_total``, ``devin_kv_tier_bytes``, and with a write-through tier
+  ``devin_kv_tier_write_through_{published,dropped,failed}_total`` and
+  ``devin_kv_tier_write_through_queue_blocks``;
 - ``devin_spec_draft_tokens_total``, ``devin_spec_accepted_tokens_total``: speculative proposals
   verified and accepted (the engine's running totals, 0 without speculation; their ratio is the
   acceptance rate).
@@ -78,6 +82,16 @@ def _tier_metrics(stats: dict):
             families[key].add_metric(label, t[key] or 0)
         families["load_seconds"].add_metric(label, t["load_ms"] / 1e3)
     yield from families.values()
+    if "kv_tier_write_through_published" in stats:
+        w = "kv_tier_write_through_"
+        yield CounterMetricFamily("devin_kv_tier_write_through_published", "Prefix KV blocks stored in the "
+                                  "write-through tiers when registered", value=stats[w + "published"])
+        yield CounterMetricFamily("devin_kv_tier_write_through_dropped", "Registered blocks not written through "
+                                  "because the queue was full", value=stats[w + "dropped"])
+        yield CounterMetricFamily("devin_kv_tier_write_through_failed", "Write-through stores that failed "
+                                  "(e.g. Redis down)", value=stats[w + "failed"])
+        yield GaugeMetricFamily("devin_kv_tier_write_through_queue_blocks", "Blocks waiting to be written through",
+                                value=stats[w + "queue_depth"])
 
 
 class ServerMetrics:
