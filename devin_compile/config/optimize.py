@@ -21,6 +21,7 @@ from .kv_prune import KVPruneConfig
 from .pass_options import PassOptions
 from .scheduler import SchedulerConfig
 from .speculative import SpeculativeConfig
+from .tensor_parallel import check_options as check_tensor_parallel
 
 if TYPE_CHECKING:
     from ..cache.config import TierConfig
@@ -86,6 +87,8 @@ class OptimizeConfig:
     # KV cache tiers under the paged pool, fastest first (devin_compile/cache/config.py); None: none.
     kv_cache_tiers: tuple[TierConfig, ...] | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
+    # Ranks to split every decoder layer over (config/tensor_parallel.py); 1: no tensor parallelism.
+    tensor_parallel: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     passes: PassOptions = field(default_factory=PassOptions)
@@ -118,6 +121,7 @@ class OptimizeConfig:
                              "callables would need the kv_prune nodes kept opaque); drop one of them")
         if self.quantized is not None:
             _check_quantized_dir(self.quantized)
+        check_tensor_parallel(self)
         if self.dump_dir is None:
             self.dump_dir = os.environ.get("DEVIN_COMPILE_DUMP") or None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Set
 
 from ..config import OptimizeConfig
+from ..config.tensor_parallel import TensorParallelSpec
 from ..pipeline import Pass
 from .assign_precision import AssignPrecision
 from .attention_to_paged import AttentionToPaged
@@ -23,20 +24,22 @@ from .offload_embeddings import OffloadEmbeddings
 from .pack_gemm_linears import PackGemmLinears
 from .prepack_onednn_experts import PrepackOneDNNExperts
 from .prepack_onednn_linears import PrepackOneDNNLinears
+from .shard_tensor_parallel import ShardTensorParallel
 from .split_phases import SplitPhases
 from .table import PASS_TABLE, Flags, PassSpec, PipelineInputs, When, build_passes
 from .upcast_linear import UpcastLinear
 from .wrap_cuda_graphs import WrapCudaGraphs
 
 
-def default_passes(config: OptimizeConfig, offload_roles: Set[str] = frozenset(), quant=None) -> list[Pass]:
+def default_passes(config: OptimizeConfig, offload_roles: Set[str] = frozenset(), quant=None,
+                   tensor_parallel: TensorParallelSpec | None = None) -> list[Pass]:
     """The optimize() pipeline, in order: the enabled rows of :data:`~.table.PASS_TABLE`.
     ``offload_roles``: validated ``offload_layers`` roles; ``quant``: (QuantResult, QuantConfig)
-    to add assign_precision."""
-    return build_passes(PipelineInputs(config, frozenset(offload_roles), quant))
+    to add assign_precision; ``tensor_parallel``: this rank's place, to add shard_tensor_parallel."""
+    return build_passes(PipelineInputs(config, frozenset(offload_roles), quant, tensor_parallel))
 
 
 __all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseMoEExperts",
            "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul", "InsertKVPrune", "OffloadEmbeddings",
-           "PackGemmLinears", "PrepackOneDNNExperts", "PrepackOneDNNLinears", "SplitPhases", "UpcastLinear",
+           "PackGemmLinears", "PrepackOneDNNExperts", "PrepackOneDNNLinears", "ShardTensorParallel", "SplitPhases", "UpcastLinear",
            "WrapCudaGraphs",           "PASS_TABLE", "Flags", "PassSpec", "PipelineInputs", "When", "build_passes", "default_passes"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import OptimizeConfig, PassOptions
+from ..config.tensor_parallel import TensorParallelSpec
 from ..pipeline import Pass
 from ..quant.config import QuantConfig
 from ..quant.result import QuantResult
@@ -36,6 +37,7 @@ from .offload_embeddings import OffloadEmbeddings
 from .pack_gemm_linears import PackGemmLinears
 from .prepack_onednn_experts import PrepackOneDNNExperts
 from .prepack_onednn_linears import PrepackOneDNNLinears
+from .shard_tensor_parallel import ShardTensorParallel
 from .split_phases import SplitPhases
 from .upcast_linear import UpcastLinear
 from .wrap_cuda_graphs import WrapCudaGraphs
@@ -52,6 +54,7 @@ class PipelineInputs:
     config: OptimizeConfig
     offload_roles: frozenset[str] = frozenset()
     quant: tuple[QuantResult, QuantConfig] | None = None
+    tensor_parallel: TensorParallelSpec | None = None  # this rank's place in the group (tensor_parallel > 1)
 
 
 class _OptionReads:
@@ -133,6 +136,8 @@ class PassSpec:
 
 PASS_TABLE: tuple[PassSpec, ...] = (
     PassSpec(AttentionToPaged, "lower"),
+    PassSpec(ShardTensorParallel, "lower", When(lambda i: i.tensor_parallel is not None, "tensor_parallel > 1"),
+             build=lambda i: ShardTensorParallel(i.tensor_parallel)),
     PassSpec(FuseRMSNorm, "fuse", Flags(lambda o: o.fuse_rms_norm)),
     PassSpec(FuseRotary, "fuse", Flags(lambda o: o.fuse_rotary)),
     PassSpec(FuseProjections, "fuse", Flags(lambda o: o.fuse_projections)),

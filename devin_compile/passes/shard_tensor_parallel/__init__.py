@@ -1,0 +1,126 @@
+"""shard_tensor_parallel: this rank's share of every decoder layer (Megatron-style tensor parallelism).
+
+Pattern → replacement, per attention layer (``devin::paged_attention`` over q [T, Hq, D]) and MLP
+(which linears these are is read from the dataflow: ``plan.py``)::
+
+    q|k|v = linear(x, W)            →  linear(x, W[rank's heads · D])          # column-parallel
+    out   = linear(a, W_o[, b])     →  wait(all_reduce(linear(a, W_o[:, rank's q heads · D]), sum))[+ b]
+    gate|up = linear(x, W)          →  linear(x, W[rank's I/N rows])            # column-parallel
+    down  = linear(h, W_d[, b])     →  wait(all_reduce(linear(h, W_d[:, rank's I/N cols]), sum))[+ b]
+
+Rank r holds query heads ``[r·Hq/N, (r+1)·Hq/N)`` and the KV heads they read (split when ``N | Hkv``,
+one KV head kept by ``N/Hkv`` ranks when ``Hkv | N``; ``config/tensor_parallel.py``), so each
+``paged_attention`` sees ``Hq/N`` query heads and the rank's KV heads, and the rank's KV pool holds
+only those (the runtime builds it from the rank-local ``ModelInfo``). Per-head constants of the op
+(ALiBi slopes, attention sinks) keep the rank's heads. Embeddings, norms and the logits linear stay
+whole on every rank (replicated: every rank computes the full logits; rank 0 samples them).
+The collectives are ``torch.ops._c10d_functional`` (gloo on CPU, NCCL on CUDA) over the process
+group named in :class:`~devin_compile.config.tensor_parallel.TensorParallelSpec`.
+
+Invariant: the sum over ranks of each row-parallel linear's partial output equals the unsplit
+linear's output (up to float summation order), so every rank's logits match one process. A linear
+that is none of the above, a fused q/k/v projection, or a view that hard-codes a head count is a
+:class:`PassError` naming the module; nothing is replicated silently.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ...config.tensor_parallel import TensorParallelSpec
+from ...graph_utils import counted_nodes, eliminate_dead_code, linear_bias, node_delta
+from ...pipeline import Pass, PassContext, PassError, PassResult
+from .plan import AttentionShard, ShardPlan, module_of, plan_shards
+from .rewrite import column_parallel, keep, refresh_shapes, row_parallel, tensor_of
+
+
+class ShardTensorParallel(Pass):
+    name = "shard_tensor_parallel"
+    requires = ("attention_to_paged",)
+
+    def __init__(self, spec: TensorParallelSpec) -> None:
+        super().__init__(spec)
+
+    def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
+        spec: TensorParallelSpec = self.config
+        info = ctx.info
+        if info is None:
+            raise PassError("shard_tensor_parallel needs the model's ModelInfo (optimize() gives it)")
+        try:
+            heads = spec.heads(info.num_heads, info.num_kv_heads)
+        except ValueError as e:
+            raise PassError(str(e)) from None
+        before = counted_nodes(gm)
+        eliminate_dead_code(gm)  # export's shape asserts would check the unsplit sizes
+        plan = plan_shards(gm)
+        full = _weight_bytes(gm, plan)
+        changed: set[torch.fx.Node] = set()
+        D = info.head_dim
+        for layer in plan.attention:
+            _check_widths(gm, layer, info.num_heads * D, info.num_kv_heads * D)
+            q_cols = range(heads.q.start * D, heads.q.stop * D)
+            column_parallel(gm, layer.q, q_cols)
+            for lin in (layer.k, layer.v):
+                column_parallel(gm, lin, range(heads.kv.start * D, heads.kv.stop * D))
+            changed.update(_head_constants(gm, layer.attention, heads.q))
+            changed.update(_params(layer.q, layer.k, layer.v, layer.o))
+            row_parallel(gm, layer.o, q_cols, spec.group_name)
+        for mlp in plan.mlps:
+            width = tensor_of(gm, mlp.row.args[1]).shape[1]
+            if width % spec.world_size:
+                raise PassError(f"{mlp.path}: intermediate size {width} does not split over "
+                                f"tensor_parallel={spec.world_size} ranks")
+            for lin in mlp.columns:
+                if tensor_of(gm, lin.args[1]).shape[0] != width:
+                    raise PassError(f"{module_of(lin)}: {tensor_of(gm, lin.args[1]).shape[0]} output features, but "
+                                    f"{module_of(mlp.row)} reads {width}; cannot split them alike")
+                column_parallel(gm, lin, spec.rows(width))
+            changed.update(_params(*mlp.columns, mlp.row))
+            row_parallel(gm, mlp.row, spec.rows(width), spec.group_name)
+        refresh_shapes(gm, changed)
+        local = _weight_bytes(gm, plan)
+        n_row = len(plan.attention) + len(plan.mlps)
+        return PassResult(
+            matches=len(plan.linears()),
+            note=(f"rank {spec.rank}/{spec.world_size}: {len(plan.linears()) - n_row} column-parallel and {n_row} "
+                  f"row-parallel linears ({n_row} all_reduce), {len(heads.q)} query / {len(heads.kv)} KV heads "
+                  f"per layer, {len(plan.replicated)} logits linear replicated; split weights {local} of {full} "
+                  f"bytes on this rank; {node_delta(gm, before)}"))
+
+
+def _params(*linears: torch.fx.Node) -> list[torch.fx.Node]:
+    return [n for lin in linears for n in (lin.args[1], linear_bias(lin)) if isinstance(n, torch.fx.Node)]
+
+
+def _weight_bytes(gm: torch.fx.GraphModule, plan: ShardPlan) -> int:
+    """Bytes of the weights (and biases) of the linears the plan splits."""
+    nodes = set(_params(*plan.linears()))
+    return sum(tensor_of(gm, n).nbytes for n in nodes)
+
+
+def _check_widths(gm: torch.fx.GraphModule, layer: AttentionShard, q_width: int, kv_width: int) -> None:
+    """q/k/v weights have Hq·D / Hkv·D rows and the output projection Hq·D columns, as ModelInfo says."""
+    rows = {"query": (layer.q, q_width), "key": (layer.k, kv_width), "value": (layer.v, kv_width)}
+    for what, (lin, width) in rows.items():
+        got = tensor_of(gm, lin.args[1]).shape[0]
+        if got != width:
+            raise PassError(f"{layer.path}: the {what} projection has {got} output features, expected {width} "
+                            "(heads × head_dim); cannot split its heads")
+    got = tensor_of(gm, layer.o.args[1]).shape[1]
+    if got != q_width:
+        raise PassError(f"{layer.path}: the output projection reads {got} features, expected {q_width}")
+
+
+def _head_constants(gm: torch.fx.GraphModule, attention: torch.fx.Node, q_heads: range) -> list[torch.fx.Node]:
+    """The op's per-query-head constants (ALiBi slopes: 8th argument; ``sinks=``) keep the rank's heads."""
+    nodes = [attention.args[8]] if len(attention.args) > 8 else []
+    nodes += [attention.kwargs["sinks"]] if attention.kwargs.get("sinks") is not None else []
+    for n in nodes:
+        if not (isinstance(n, torch.fx.Node) and n.op == "get_attr"):
+            raise PassError(f"{module_of(attention)}: a per-head attention term that is not a constant; "
+                            "cannot split its heads")
+        keep(gm, n, q_heads, 0)
+    return nodes
+
+
+__all__ = ["ShardTensorParallel"]

@@ -1,0 +1,112 @@
+"""shard_tensor_parallel's graph edits: keep a rank's rows or columns of a weight, sum row-parallel
+outputs over the ranks, and re-derive the shapes (``meta['val']``) downstream of what changed."""
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.fx.node import map_arg
+
+from ...graph_utils import add_call, fake_like, fake_value, linear_bias
+from ...pipeline import PassError
+from .plan import module_of
+
+_c10d = torch.ops._c10d_functional
+
+
+def set_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node, tensor: torch.Tensor) -> None:
+    """Make the ``get_attr`` ``node`` read ``tensor`` (a parameter stays a parameter, a buffer a buffer)."""
+    if len(node.users) != 1:
+        raise PassError(f"{module_of(next(iter(node.users)))}: weight {node.target} is read by {len(node.users)} "
+                        "nodes (tied?); shard_tensor_parallel splits weights that one linear reads")
+    prefix, _, attr = node.target.rpartition(".")
+    owner = gm.get_submodule(prefix) if prefix else gm
+    if attr in owner._parameters:
+        owner._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[attr] = tensor
+    node.meta["val"] = fake_like(node, tensor)
+
+
+def tensor_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor:
+    prefix, _, attr = node.target.rpartition(".")
+    return getattr(gm.get_submodule(prefix) if prefix else gm, attr)
+
+
+def keep(gm: torch.fx.GraphModule, node: object, index: range, dim: int) -> torch.fx.Node | None:
+    """``node`` (a ``get_attr``; None passes through) now reads only ``index`` along ``dim``: a copy,
+    so the full tensor is not held by the graph."""
+    if node is None:
+        return None
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        raise PassError(f"{module_of(node)}: {node} is not a weight of the graph; cannot split it")
+    full = tensor_of(gm, node)
+    if full.shape[dim] < index.stop:
+        raise PassError(f"{node.target}: {full.shape[dim]} entries along dim {dim}, cannot keep {index}")
+    set_tensor(gm, node, full.narrow(dim, index.start, len(index)).contiguous().clone())
+    return node
+
+
+def column_parallel(gm: torch.fx.GraphModule, linear: torch.fx.Node, rows: range) -> None:
+    """The linear computes only output features ``rows`` (weight rows and bias entries)."""
+    keep(gm, linear.args[1], rows, 0)
+    keep(gm, linear_bias(linear), rows, 0)
+
+
+def row_parallel(gm: torch.fx.GraphModule, linear: torch.fx.Node, cols: range, group_name: str) -> torch.fx.Node:
+    """The linear reads only input features ``cols``; its partial sums are added over the ranks with one
+    ``all_reduce`` (a functional collective, so the graph stays traceable), and its bias, if any,
+    is added once after the sum. Returns the node that now stands for the linear's output."""
+    keep(gm, linear.args[1], cols, 1)
+    bias = linear_bias(linear)
+    if bias is not None:
+        linear.args = linear.args[:2]
+    graph = gm.graph
+    users = list(linear.users)
+    with graph.inserting_after(linear):
+        summed = add_call(graph, _c10d.all_reduce.default, (linear, "sum", group_name), like=linear)
+    with graph.inserting_after(summed):
+        out = add_call(graph, _c10d.wait_tensor.default, (summed,), like=linear)
+    if bias is not None:
+        with graph.inserting_after(out):
+            out = add_call(graph, torch.ops.aten.add.Tensor, (out, bias), like=linear)
+    for u in users:
+        u.replace_input_with(linear, out)
+    return out
+
+
+def refresh_shapes(gm: torch.fx.GraphModule, changed: set[torch.fx.Node]) -> int:
+    """Recompute ``meta['val']`` of every node downstream of ``changed`` (in graph order, on fake
+    tensors); a node whose computation no longer fits (a view that hard-codes a head count) is a
+    :class:`PassError` naming its module. Returns how many nodes were recomputed."""
+    dirty = set(changed)
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not any(i in dirty for i in node.all_input_nodes):
+            continue
+        old = node.meta.get("val")
+        node.meta["val"] = _fake_call(node)
+        count += 1
+        if _signature(node.meta["val"]) != _signature(old):
+            dirty.add(node)
+    return count
+
+
+def _fake_call(node: torch.fx.Node):
+    args, kwargs = map_arg(node.args, fake_value), map_arg(node.kwargs, fake_value)
+    leaves = [v for v in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(leaves)
+    try:
+        if mode is None:
+            return node.target(*args, **kwargs)
+        with mode:
+            return node.target(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise PassError(f"{module_of(node)}: after splitting over ranks, {node.name} ({node.target}) no longer fits "
+                        f"its inputs ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the layer "
+                        "hard-codes a head count or width") from e
+
+
+def _signature(val) -> object:
+    return tuple(f"{tuple(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else str(v)
+                 for v in torch.utils._pytree.tree_leaves(val))
