@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 import time
 from typing import Any
 
@@ -10,11 +12,13 @@ import torch
 from .backends.attention.registry import get_backend
 from .capture import ModelInfo, capture, model_info
 from .config import OptimizeConfig
+from .config.tensor_parallel import check_model as check_tensor_parallel_model
 from .passes import default_passes
 from .passes.offload_embeddings import check_offload_layers
 from .pipeline import PassContext, PassManager, Probe, Program
 from .optimized_model import OptimizedModel
 from .runtime.build import ModelIdentity, build_engine
+from .runtime.distributed import BroadcastRunner, RankGroup, agree_on_blocks, init_rank_group, rank_info
 from .runtime.kv_prune import active_config as active_kv_prune
 from .runtime.scratch import scratch_step, scratch_steps
 from .runtime.speculative.factory import DraftBuilder
@@ -44,6 +48,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     config = OptimizeConfig.from_kwargs(options)
     t0 = time.perf_counter()
     info = model_info(model)  # fail fast on unsupported models, before any copy
+    group, config = _rank_group(model, info, config)  # tensor_parallel > 1: checked before any weight moves
     offload_roles = set(check_offload_layers(model, list(config.offload_layers)).values())
     if config.dtype is not None and next(model.parameters()).dtype != config.dtype:
         model = copy.deepcopy(model).to(config.dtype)
@@ -58,17 +63,41 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     program = Program({"main": gm})
     ctx = PassContext(info=info, config=config, scratch_step=scratch_steps(info))
     probe = make_probe(info, info.device) if config.verify else None
-    report = PassManager(default_passes(config, offload_roles, quant), dump_dir=config.dump_dir,
-                         probe=probe).run(program, ctx)
+    passes = default_passes(config, offload_roles, quant, group.spec if group is not None else None)
+    report = PassManager(passes, dump_dir=config.dump_dir, probe=probe).run(program, ctx)
     drafts = DraftBuilder(model, tokenizer, vocab_size=info.vocab_size, dtype=info.dtype, compile=optimize)
     proposer = drafts(config.speculative) if config.speculative is not None else None
     identity = (ModelIdentity.of(model, None if quant is None else [quant[0].fingerprint, repr(quant[1])])
                 if config.kv_cache_tiers else None)
+    if group is not None:  # this rank's heads; a KV pool of the same number of blocks on every rank
+        info = rank_info(info, group.spec)
+        config = agree_on_blocks(group, info, config)
     engine = build_engine(program, info, config, tokenizer=tokenizer, proposer=proposer, identity=identity)
-    return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0,
+    if group is not None and group.rank == 0:
+        engine.runner = BroadcastRunner(engine.runner, group)
+    return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0, rank_group=group,
                           hf_config=getattr(model, "config", None), drafts=drafts,
                           quant_result=quant[0] if quant is not None else None,
                           precision_table=ctx.outputs.precision_table, quant_note=ctx.outputs.precision_note)
+
+
+def _rank_group(model: torch.nn.Module, info: ModelInfo,
+                config: OptimizeConfig) -> tuple[RankGroup | None, OptimizeConfig]:
+    """With ``tensor_parallel`` > 1: check the model splits over the ranks and the world has that many, then
+    join (or initialise, from torchrun's env://) the process group; on CUDA each rank takes the device of its
+    ``LOCAL_RANK``. None (and ``config`` unchanged) otherwise."""
+    tp = config.tensor_parallel
+    if tp == 1:
+        return None, config
+    check_tensor_parallel_model(info.num_heads, info.num_kv_heads, tp, mla=info.mla is not None,
+                                hf_config=getattr(model, "config", None))
+    device = torch.device(config.device) if config.device is not None else info.device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        config = dataclasses.replace(config, device=str(device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return init_rank_group(tp, device), config
 
 
 def _resolve_quantization(model: torch.nn.Module, tokenizer, config: OptimizeConfig):

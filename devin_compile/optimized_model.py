@@ -16,6 +16,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from .capture import ModelInfo
 from .config import OptimizeConfig
 from .pipeline import PassReport, Program
+from .runtime.distributed import RankGroup, on_all_ranks
 from .runtime.engine import Engine
 from .runtime.sampling import SamplingParams
 from .text.detokenizer import TextStream
@@ -30,8 +31,12 @@ class OptimizedModel:
 
     def __init__(self, engine: Engine, info: ModelInfo, config: OptimizeConfig, report: PassReport,
                  tokenizer=None, compile_seconds: float = 0.0, hf_config=None, *, drafts=None,
-                 quant_result=None, precision_table: Seq[dict] = (), quant_note: str = "") -> None:
+                 quant_result=None, precision_table: Seq[dict] = (), quant_note: str = "",
+                 rank_group: RankGroup | None = None) -> None:
         self.engine = engine
+        # tensor_parallel > 1: generate and __call__ run on rank 0 while the other ranks follow its forwards,
+        # and every rank returns rank 0's result (runtime/distributed.py)
+        self.rank_group = rank_group
         self.info = info
         self.optimize_config = config
         self.pass_report = report
@@ -128,7 +133,8 @@ class OptimizedModel:
                       for i, m in enumerate(lengths)]
         elif not isinstance(params, SamplingParams):
             params = list(params)
-        results = self.engine.generate(prompts, params, raise_on_error=True)
+        results = on_all_ranks(self.rank_group, self.engine.runner,
+                               lambda: self.engine.generate(prompts, params, raise_on_error=True))
         outs = [r.output_ids for r in results]
         if tensor_mode:
             return _to_tensor(input_ids, outs, self._pad_id())
@@ -200,7 +206,7 @@ class OptimizedModel:
             if not row:
                 raise ValueError(f"row {b} of input_ids has no tokens under attention_mask (all zeros): an empty "
                                  "sequence has no logits; give every row at least one unmasked token")
-            out = self.engine.forward_logits(row)
+            out = on_all_ranks(self.rank_group, self.engine.runner, lambda: self.engine.forward_logits(row))
             if logits is None:
                 logits = torch.zeros((B, T, out.shape[-1]), dtype=out.dtype)
             logits[b, _real_columns(attention_mask, b, T)] = out.to("cpu")

@@ -9,6 +9,8 @@ with ``prompt_logprobs`` scores this step), and runs the graph inside a
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..backends.attention.registry import AttentionBackend, select_attention_backend
@@ -42,6 +44,9 @@ class ModelRunner:
         # sequences into padded rectangles (length-aware grouping; see backends/attention/length_groups.py).
         self.attention_real_keys = 0
         self.attention_padded_keys = 0
+        # Called with run()'s inputs (all but kv_prune) before each forward: tensor parallelism's
+        # rank 0 broadcasts them to the other ranks (runtime/distributed.py).
+        self.before_run: Callable[[tuple], None] | None = None
 
     @property
     def block_size(self) -> int:
@@ -72,6 +77,8 @@ class ModelRunner:
         if self.max_step_tokens is not None and len(input_ids) > self.max_step_tokens:
             raise RuntimeError(f"a step of {len(input_ids)} tokens, but this model's graph holds at most "
                                f"{self.max_step_tokens} (ModelInfo.max_step_tokens); the scheduler caps steps at it")
+        if self.before_run is not None:
+            self.before_run((input_ids, positions, slots, query_lens, seq_lens, block_tables, logits_indices))
         n_real = len(query_lens)
         decode = self.is_decode_step(query_lens, logits_indices) and "decode" in self.program.graphs
         if decode and kv_prune is None and self.decode_graphs is not None:

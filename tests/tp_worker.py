@@ -1,0 +1,61 @@
+"""One rank of the tensor-parallel tests (tests/test_tensor_parallel.py starts two, like torchrun does:
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment).
+
+``python tp_worker.py OUT_DIR CASE...`` optimizes each tiny seeded model with ``tensor_parallel=WORLD_SIZE``,
+runs :func:`workload` and writes ``OUT_DIR/<rank>.json``. The test runs the same workload in one
+process (``tensor_parallel=1``) and compares.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+#: name → (model_type, config overrides): 4 query heads; 2 KV heads split over 2 ranks, or 1 KV head that
+#: both ranks keep (replication); qwen2 has q/k/v biases.
+CASES = {
+    "llama": ("llama", dict(num_key_value_heads=2)),
+    "qwen2": ("qwen2", dict(num_key_value_heads=2)),
+    "llama_kv1": ("llama", dict(num_key_value_heads=1)),
+}
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+               initializer_range=0.1)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+
+
+def build(case: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, overrides = CASES[case]
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def workload(opt) -> dict:
+    """Greedy tokens (two generate calls), full-sequence logits, the KV heads of this rank's pool and
+    shard_tensor_parallel's report note."""
+    first = opt.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    second = opt.generate([PROMPTS[1]], max_new_tokens=5, ignore_eos=True)
+    logits = opt(torch.tensor([PROMPTS[1]])).logits[0]
+    notes = [r.note for r in opt.pass_report.records if r.name == "shard_tensor_parallel"]
+    return dict(tokens=first + second, logits=logits.tolist(), kv_heads=opt.engine.runner.kv_cache.spec.num_kv_heads,
+                note=notes[0] if notes else "")
+
+
+def main(out_dir: str, cases: list[str]) -> None:
+    import devin_compile
+
+    torch.set_num_threads(1)
+    tp = int(os.environ["WORLD_SIZE"])
+    results = {case: workload(devin_compile.optimize(build(case), tensor_parallel=tp, num_kv_blocks=32))
+               for case in cases}
+    with open(os.path.join(out_dir, f"{os.environ['RANK']}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
