@@ -201,3 +201,41 @@ def test_async_engine_after_a_failed_step_refuses_new_requests_at_once(opt):  # 
                 await asyncio.wait_for(aeng.generate(prompt_of(4, 91), greedy(3)), 30)
 
     asyncio.run(main())
+
+
+def test_async_engine_keeps_no_record_of_the_requests_it_has_answered(opt):  # noqa: F811
+    """A long-running front must not keep every request it served (the soak found a server's resident
+    memory creeping by the engine's record of each finished request): finished, abandoned, failed and
+    refused requests all leave ``engine.requests``; in-process callers keep theirs until ``forget``."""
+    engine = make_engine(opt, 96)
+
+    def boom(ids, logits):
+        raise RuntimeError("processor bug")
+
+    async def main():
+        async with AsyncEngine(engine) as aeng:
+            await asyncio.gather(*(aeng.generate(prompt_of(5, 300 + i), greedy(4)) for i in range(6)))
+            left = aeng.stream(prompt_of(6, 320), greedy(50))
+            await left.__anext__()
+            await left.aclose()  # the caller went away after one token
+            with pytest.raises(RequestError, match="processor bug"):
+                await aeng.generate(prompt_of(3, 321), greedy(4, logits_processors=[boom]))
+            with pytest.raises(ValueError, match="empty prompt"):
+                await aeng.generate([], greedy(3))
+            for _ in range(500):  # the step thread handles the abort a moment later
+                if not engine.requests:
+                    break
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert engine.requests == {}
+    assert_pool_empty(engine)
+    rid = engine.add_request(prompt_of(4, 330), greedy(40))
+    engine.generate([prompt_of(4, 331)], greedy(2))
+    assert len(engine.requests) == 2  # in-process: records stay readable until forgotten
+    engine.forget(rid)  # still in flight: aborted, its blocks freed
+    engine.forget("no-such-request")
+    assert len(engine.requests) == 1
+    engine.forget(next(iter(engine.requests)))
+    assert engine.requests == {}
+    assert_pool_empty(engine)

@@ -133,6 +133,22 @@ def test_bad_fields_are_named(body, param):
     assert e.value.status == 400 and e.value.param == param and param in e.value.message
 
 
+@pytest.mark.parametrize("body, chat, message", [
+    ({"prompt": "x"}, False, "model is required: a string"),
+    ({"model": 5, "prompt": "x"}, False, "model must be a string naming the model (see GET /v1/models), got 5"),
+    ({"model": "m"}, True, "messages is required: a non-empty list"),
+    ({"model": "m", "messages": None}, True, "messages is required: a non-empty list"),
+    ({"model": "m", "messages": {"text": "hi"}}, True, 'messages must be a non-empty list of {\'role\', '
+                                                       '\'content\'} objects, got {"text": "hi"}'),
+    ({"model": "m", "messages": []}, True, "messages must be a non-empty list"),
+])
+def test_a_field_sent_wrong_is_not_called_missing(body, chat, message):
+    """The soak's malformed bodies: a field that is there but wrong is named as wrong, not as required."""
+    with pytest.raises(APIError) as e:
+        parse_request(body, chat=chat)
+    assert e.value.status == 400 and message in e.value.message
+
+
 def test_chat_logprobs_speculative_and_defaults():
     msgs = [{"role": "user", "content": "x"}]
     assert parse_request({"model": "m", "messages": msgs}, chat=True).logprobs is None

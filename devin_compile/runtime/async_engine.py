@@ -14,7 +14,9 @@ scheduler's dynamic-batching settings.
 
 An invalid request raises ``ValueError`` from ``generate``/``stream`` (nothing is queued);
 a request that fails mid-way raises :class:`RequestError`; either way the others go on.
-Cancelling the awaiting task aborts its request and frees its KV blocks.
+Cancelling the awaiting task aborts its request and frees its KV blocks. A request's record
+leaves the engine (:meth:`Engine.forget`) once its last output is handed back or it is aborted,
+so a long-running server holds no record of the requests it has answered.
 """
 from __future__ import annotations
 
@@ -143,13 +145,15 @@ class AsyncEngine:
                     return
                 for out in outs:
                     self._deliver(out.request_id, out)
+                    if out.finished:
+                        engine.forget(out.request_id)
                 if not outs:
                     engine.wait_for_admission(0.005)
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
         for rid in list(self._sinks):
-            engine.abort(rid)
+            engine.forget(rid)  # aborted
 
     def _drain(self) -> None:
         engine = self.engine
@@ -159,7 +163,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "abort":
-                engine.abort(rid)
+                engine.forget(rid)  # aborted
                 continue
             prompt, params = payload
             loop, fut = reply

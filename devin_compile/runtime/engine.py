@@ -120,6 +120,15 @@ class Engine:
             return
         self.outputs.finish(seq, Status.ABORTED, "abort")
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request's record from ``requests`` (one still in flight is aborted first; an unknown id
+        is ignored). In-process callers read ``requests[rid]`` after a request ends until they forget it;
+        a long-running front (:class:`~.async_engine.AsyncEngine`) forgets each request once its last
+        output is handed back, so a server keeps no record of the requests it has answered."""
+        if request_id in self.requests:
+            self.abort(request_id)
+            del self.requests[request_id]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

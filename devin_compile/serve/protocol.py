@@ -242,18 +242,26 @@ def _kv_prune(body: dict):
         raise bad("kv_prune", str(e)) from None
 
 
+def _required_or_wrong(body: dict, name: str, what: str) -> str:
+    """The message for a field that must be ``what``: missing (null counts as missing), or sent wrong."""
+    if body.get(name) is None:
+        return f"{name} is required: {what}"
+    return f"{name} must be {what}, got {json.dumps(body[name])[:80]}"
+
+
 def parse_request(body: dict, chat: bool) -> GenerationRequest:
     check_fields(body, CHAT if chat else COMPLETION, "/v1/chat/completions" if chat else "/v1/completions")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad("model", "model is required: a string naming the model (see GET /v1/models)")
+        raise bad("model", _required_or_wrong(body, "model", "a string naming the model (see GET /v1/models)"))
     _unsupported(body, chat)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user", f"user must be a string (an id of your end user), got {body['user']!r}")
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
-            raise bad("messages", "messages is required: a non-empty list of {'role', 'content'} objects")
+            raise bad("messages", _required_or_wrong(body, "messages", "a non-empty list of {'role', 'content'} "
+                                                                        "objects"))
         prompts = [msgs]
         given = _opt_int(body, "max_tokens", None, 1)  # both checked; max_completion_tokens wins
         max_tokens = _opt_int(body, "max_completion_tokens", given, 1)
