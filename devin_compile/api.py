@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import time
 from typing import Any
@@ -22,6 +23,8 @@ from .runtime.distributed import BroadcastRunner, RankGroup, agree_on_blocks, in
 from .runtime.kv_prune import active_config as active_kv_prune
 from .runtime.scratch import scratch_step, scratch_steps
 from .runtime.speculative.factory import DraftBuilder
+
+log = logging.getLogger(__name__)
 
 
 def make_probe(info: ModelInfo, device: torch.device, length: int = 12) -> Probe:
@@ -55,7 +58,10 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     if config.device is not None and next(model.parameters()).device != torch.device(config.device):
         model = model.to(config.device)
     quant = _resolve_quantization(model, tokenizer, config)
+    t_capture = time.perf_counter()
+    log.info("capturing %s with torch.export", type(model).__name__)
     gm, info = capture(model, info=info, stack_traces=config.dump_dir is not None)
+    log.info("captured %s in %.1f s", type(model).__name__, time.perf_counter() - t_capture)
     if info.max_step_tokens is not None:  # the graph holds only up to this many tokens a step
         config = config.limited_to_step_tokens(info.max_step_tokens)
     if config.scheduler.max_model_len is not None:
@@ -72,7 +78,10 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     if group is not None:  # this rank's heads; a KV pool of the same number of blocks on every rank
         info = rank_info(info, group.spec)
         config = agree_on_blocks(group, info, config)
+    t_build = time.perf_counter()
     engine = build_engine(program, info, config, tokenizer=tokenizer, proposer=proposer, identity=identity)
+    log.info("engine built in %.1f s (KV pool%s); optimize() took %.1f s", time.perf_counter() - t_build,
+             ", kernel warm-up" if config.warmup else "", time.perf_counter() - t0)
     if group is not None and group.rank == 0:
         engine.runner = BroadcastRunner(engine.runner, group)
     return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0, rank_group=group,

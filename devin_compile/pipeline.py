@@ -16,6 +16,7 @@ returns a :class:`PassResult`; it never holds runtime state. The manager
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ from .graph_utils import count_nodes, describe_value
 from .step import StepContext
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+#: A pass taking longer than this (seconds) gets its own progress line (INFO).
+SLOW_PASS_S = 1.0
 
 
 class PassError(RuntimeError):
@@ -248,6 +252,8 @@ class PassManager:
 
     def run(self, program: Program, ctx: PassContext) -> PassReport:
         report = PassReport()
+        start = time.perf_counter()
+        log.info("running %d passes: %s", len(self.passes), ", ".join(p.name for p in self.passes))
         reference = self._probe(program) if self.probe else None
         self._dump(0, "captured", program, report)
         for i, p in enumerate(self.passes, start=1):
@@ -258,7 +264,8 @@ class PassManager:
                 self._dump(i, p.name, program, report)  # index.md lists every pass, skipped ones too
                 continue
             t0 = time.perf_counter()
-            if p.runs_graphs:
+            if p.runs_graphs:  # compiles or runs code: may take long, so say when it starts
+                log.info("pass %d/%d %s: started", i, len(self.passes), p.name)
                 program.recompile()
             result = p.run(program, ctx)
             for gm in program.graphs.values():
@@ -272,8 +279,11 @@ class PassManager:
                 if rec.max_drift > self.drift_tol and report.first_drift is None:
                     report.first_drift = p.name
             report.records.append(rec)
+            if dt >= SLOW_PASS_S * 1e3:
+                log.info("pass %d/%d %s: %.1f s", i, len(self.passes), p.name, dt / 1e3)
             self._dump(i, p.name, program, report)
         program.recompile()
+        log.info("passes done in %.1f s", time.perf_counter() - start)
         return report
 
     def _probe(self, program: Program) -> torch.Tensor:
@@ -304,6 +314,6 @@ class PassManager:
             f.write("\n".join(table))
         with open(os.path.join(self.dump_dir, "index.md"), "w") as f:
             f.write("# devin-compile pass report\n\n")
-            f.write(f"Files: `NN_<pass>.py` (code), `NN_<pass>.txt` (nodes with shape:dtype); "
-                    f"`00_captured` is the graph before any pass.\n\n")
+            f.write("Files: `NN_<pass>.py` (code), `NN_<pass>.txt` (nodes with shape:dtype); "
+                    "`00_captured` is the graph before any pass.\n\n")
             f.write(report.as_markdown() + "\n")

@@ -150,6 +150,22 @@ def test_run_prints_full_pass_names_when_piped(tmp_path, capsys):
         assert name in out
 
 
+def test_cold_start_progress_on_stderr_and_quiet_hides_it(tmp_path, capsys):
+    """A cold start says what it is doing (capture, passes, engine build) on stderr; -q keeps only warnings."""
+    model = str(_tiny_llama(tmp_path / "tiny"))
+    argv = ["run", "--model", model, "--no-bench", "--max-new-tokens", "1", "--prompt", "hi"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for line in ("capturing LlamaForCausalLM with torch.export", "captured LlamaForCausalLM in",
+                 "running ", "passes done in", "engine built in"):
+        assert f"devin-compile: {line}" in err, err
+    assert main(["-q", *argv]) == 0
+    assert "capturing" not in capsys.readouterr().err
+    main(argv)  # the next call without -q shows progress again
+    assert "passes done in" in capsys.readouterr().err
+
+
 def test_hf_peer_runs_in_float32_where_bf16_is_not_native(tmp_path, capsys, monkeypatch):
     import devin_compile.ops.onednn_linear as onednn
 

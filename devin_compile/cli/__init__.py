@@ -10,6 +10,7 @@ The library's log (logger ``devin_compile``, INFO and up) is shown on stderr (:m
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from . import chat, dump, quantize, run, serve
@@ -25,6 +26,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command`` set, only that subcommand gets its arguments (the others are
     listed by name and help alone), with ``""`` none does."""
     ap = argparse.ArgumentParser(prog="devin-compile", description=DESCRIPTION, epilog=EPILOG)
+    ap.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress lines from the library (capture, passes, kernel builds); "
+                         "warnings and errors still show")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
     for name, module in COMMANDS.items():
         p = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
@@ -35,9 +39,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = next((a for a in argv if not a.startswith("-")), "")
+    command = next((a for a in argv if not a.startswith("-")), "")  # -q/--quiet come before it
     args = build_parser(command).parse_args(argv)
-    show_library_log()  # kernels built, compilers missing: INFO and up on stderr
+    show_library_log(logging.WARNING if args.quiet else logging.INFO)  # progress: INFO and up on stderr
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError) as e:

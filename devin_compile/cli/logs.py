@@ -31,15 +31,15 @@ class _Format(logging.Formatter):
 
 
 def show_library_log(level: int = logging.INFO) -> logging.Handler:
-    """Send the ``devin_compile`` logger's records from ``level`` up to stderr (once per process;
-    returns the handler)."""
+    """Send the ``devin_compile`` logger's records from ``level`` up to stderr (one handler per process,
+    its level set by the latest call; returns the handler)."""
     logger = logging.getLogger("devin_compile")
-    for handler in logger.handlers:
-        if isinstance(handler, _Stderr):
-            return handler
-    handler = _Stderr()
-    handler.setFormatter(_Format("%(message)s"))
-    logger.addHandler(handler)
+    handler = next((h for h in logger.handlers if isinstance(h, _Stderr)), None)
+    if handler is None:
+        handler = _Stderr()
+        handler.setFormatter(_Format("%(message)s"))
+        logger.addHandler(handler)
+    handler.setLevel(level)  # a later call (--quiet: WARNING) changes what it shows
     if logger.level == logging.NOTSET or logger.level > level:
         logger.setLevel(level)
     return handler
