@@ -14,6 +14,10 @@ a large weight at about half the memory bandwidth here. The Python kernel
 (:func:`packed_gemm_linear_reference`: unpack, ``F.linear``) serves every other device, dtype and
 layout and is the oracle. Values equal up to float32 summation order. Not to be confused with
 :mod:`.onednn_linear` (oneDNN's own prepacked layout, which ``mkldnn._linear_pointwise`` reads).
+
+``devin::packed_embedding(Tensor weight, Tensor ids) -> Tensor`` looks rows up in the same layout,
+``embedding(W, ids)`` [*ids.shape, K]: a tied embedding reads the packed output head, so the model does
+not keep its dense weight beside the packed one (a gather of 16-strided values: K cache lines a token).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from ..backends.fused import cpu_packed_gemm_linear_op
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("packed_gemm_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
+_lib.define("packed_embedding(Tensor weight, Tensor ids) -> Tensor")
 
 BLOCK = 16
 
@@ -54,6 +59,19 @@ _lib.impl("packed_gemm_linear", packed_gemm_linear_reference, "CompositeExplicit
 @torch.library.register_fake("devin::packed_gemm_linear", lib=_lib)
 def _(x, weight, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def packed_embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``embedding(W, ids)`` over W packed by :func:`pack_weight`: row v is ``weight[v // 16, :, v % 16]``."""
+    return weight[torch.div(ids, BLOCK, rounding_mode="floor"), :, ids % BLOCK]
+
+
+_lib.impl("packed_embedding", packed_embedding, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("devin::packed_embedding", lib=_lib)
+def _(weight, ids):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
 def load_cpu_kernel() -> bool:

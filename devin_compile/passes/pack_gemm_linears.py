@@ -15,9 +15,11 @@ row); with the 2-row AVX2 tile those stay for ``prepack_onednn_linears``. Enable
 
 Invariant: outputs equal up to float32 summation order, and a row's result does not depend on
 the other rows of the step; packed weights are shared by the prefill and decode graphs and
-replace the dense ones (a tied embedding keeps its dense weight). Declines (reason in the
-report): weights other than float32 CPU parameters, K odd. Skipped off
-CPU, without a C/C++ compiler, and in the decode graph under ``compile_decode`` (Inductor).
+replace the dense ones. An embedding tied to a packed head reads its rows from the packed weight
+(``devin::packed_embedding``, the same values), so the dense weight is dropped too: each weight is
+held once. Declines (reason in the report): weights other than float32 CPU parameters, K odd.
+Skipped off CPU, without a C/C++ compiler, and in the decode graph under ``compile_decode``
+(Inductor; the decode graph then keeps the dense head and embedding).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class PackGemmLinears(Pass):
         graph = gm.graph
         before = counted_nodes(gm)
         every = packed_op.serves_many_rows()
-        count, heads, declined = 0, 0, []
+        count, heads, tied, declined = 0, 0, 0, []
         for node in [n for n in graph.nodes if is_call(n, aten.linear.default)]:
             head = is_logits_linear(node)
             if not (head or every):
@@ -68,10 +70,29 @@ class PackGemmLinears(Pass):
                       (node.args[0], attr, linear_bias(node), int(w.shape[0])))
             count += 1
             heads += head
+            if head:
+                tied += _read_embedding_from(gm, w, attr)
         eliminate_dead_code(gm)
         note = f"{count} linears packed ({heads} logits); {node_delta(gm, before)}"
+        if tied:
+            note += f"; {tied} tied embedding reads the packed head"
         if not every:
             note += "; other linears left to prepack_onednn_linears (the kernel's AVX2 tile holds 2 rows)"
         if declined:
             note += "; left to prepack_onednn_linears: " + "; ".join(declined)
         return PassResult(matches=count, note=note)
+
+
+def _read_embedding_from(gm: torch.fx.GraphModule, w: torch.Tensor, packed: torch.fx.Node) -> int:
+    """Embedding lookups of ``w`` (the head's dense weight, tied) → ``devin::packed_embedding`` of its packed
+    copy ``packed``; returns how many were rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        # (embedding's other arguments, padding_idx and the gradient flags, do not change its forward)
+        if is_call(node, aten.embedding.default) and param_of(gm, node.args[0]) is w:
+            with gm.graph.inserting_before(node):
+                rows = gm.graph.get_attr(packed.target)
+                rows.meta["val"] = packed.meta.get("val")
+            swap_call(gm.graph, node, torch.ops.devin.packed_embedding.default, (rows, node.args[1]))
+            count += 1
+    return count
