@@ -43,12 +43,12 @@ def _tiny(seed: int = 0) -> LlamaForCausalLM:
 
 
 def _watch(model: torch.nn.Module) -> dict[str, weakref.ref]:
-    """Move every parameter onto a numpy array of its own and return weak references to the arrays:
-    one stays alive exactly as long as some tensor still reads that storage."""
+    """Move every parameter onto a numpy array of its own (its bytes: numpy has no bf16) and return weak
+    references to the arrays: one stays alive exactly as long as some tensor still reads that storage."""
     refs = {}
     for name, p in model.named_parameters():
-        arr = p.detach().numpy().copy()
-        p.data = torch.from_numpy(arr)
+        arr = p.detach().contiguous().view(torch.uint8).numpy().copy()
+        p.data = torch.from_numpy(arr).view(p.dtype)
         refs[name] = weakref.ref(arr)
     return refs
 
@@ -97,16 +97,19 @@ def _expand(label: str) -> list[str]:
     return [head] + [f"{prefix}.{leaf}" for leaf in more]
 
 
-@pytest.mark.parametrize("kind", ["dense", "int4", "fp8", "mix"])
-def test_original_tensors_are_released_with_the_model(kind, artifact_dir):
+@pytest.mark.parametrize("kind,dtype", [("dense", torch.float32), ("int4", torch.float32), ("fp8", torch.float32),
+                                        ("mix", torch.float32), ("dense", torch.bfloat16), ("mix", torch.bfloat16)])
+def test_original_tensors_are_released_with_the_model(kind, dtype, artifact_dir):
+    """(bf16: the tied head is packed for devin's kernel too, so the embedding reads it; INT4 scales are float32
+    where the table counts them in the model dtype, a few KiB here)"""
     if kind != "dense" and not HAVE_TILES:
         pytest.skip("no C compiler: the quantized CPU kernels are not built")
-    model = _tiny()
+    model = _tiny().to(dtype)
     ids = torch.randint(3, 300, (1, 20))
     with torch.no_grad():
         before = model(ids).logits
     refs = _watch(model)
-    opt = devin_compile.optimize(model, num_kv_blocks=16, **_options(kind, artifact_dir))
+    opt = devin_compile.optimize(model, num_kv_blocks=16, **_options(kind, artifact_dir, dtype))
     with torch.no_grad():  # the model still works: re-pointed parameters read the program's copies
         assert torch.equal(model(ids).logits, before)
     expected = _expected_bytes(model, opt)
@@ -231,3 +234,27 @@ def test_op_runs_tiles_above_the_limit_without_a_dense_copy(monkeypatch):
     assert torch.equal(few, torch.ops.devin.int4_linear(x[:4], qw, sz, g, n, "cpu_c"))
     want = x @ fmt.dequantize(q, s, m, g).t()
     assert (many - want).abs().max().item() <= 1e-4 and (few - want[:4]).abs().max().item() <= 1e-4
+
+
+@needs_tiles
+def test_bf16_tied_head_serves_the_embedding_and_the_logits():
+    """A bf16 model's tied head is packed once: the embedding looks rows up in it, the C tile runs a few logits
+    rows (weights widened to float32) and oneDNN's bf16 GEMM over copied-out tiles runs more; both equal a
+    float32 linear over the bf16 weight up to bf16 rounding."""
+    from devin_compile.ops import packed_gemm_linear as pg
+
+    model = _tiny().to(torch.bfloat16)
+    opt = devin_compile.optimize(model, num_kv_blocks=16)
+    targets = [n.target for gm in opt.program.graphs.values() for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.devin.packed_embedding.default in targets and torch.ops.aten.embedding.default not in targets
+    assert targets.count(torch.ops.devin.packed_gemm_linear.default) == 2  # the head, in each graph
+    w = model.lm_head.weight.detach()
+    packed = pg.pack_weight(w)
+    ids = torch.tensor([[0, 5, 17, 299, 16]])
+    assert torch.equal(torch.ops.devin.packed_embedding(packed, ids), torch.nn.functional.embedding(ids, w))
+    for rows in (1, pg.HALF_ROWS, pg.HALF_ROWS + 1, 40):
+        x = torch.randn(rows, w.shape[1]).bfloat16()
+        got = torch.ops.devin.packed_gemm_linear(x, packed, None, w.shape[0])
+        want = x.float() @ w.float().t()
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want).abs().max().item() <= 1e-2 * want.abs().max().item(), rows

@@ -22,7 +22,7 @@ import torch
 
 from ..backends import dequant
 from ..backends.dequant import ROWS, Tiles
-from . import packed_gemm_linear as packed_op
+from ..backends.fused import cpu_packed_gemm_linear_op
 from .onednn_linear import onednn_supports
 
 # Bytes of one tile, in the GEMM's dtype: SmolLM2's widest linear (gate+up, 3072 x 576) is one float32
@@ -40,7 +40,8 @@ def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
         buffers[dtype] = None  # the old buffer goes before the new one is allocated
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: written in place in and out of inference mode
+            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buf
 
 
@@ -59,7 +60,7 @@ def is_long_step(x: torch.Tensor, dense: torch.Tensor | None, max_tokens: int) -
 @functools.lru_cache(maxsize=None)
 def packed_gemm_serves() -> bool:
     """Whether float32 tiles go to ``devin::packed_gemm_linear`` (its C++ kernel built, 8-row register tile)."""
-    return packed_op.load_cpu_kernel() and packed_op.serves_many_rows()
+    return cpu_packed_gemm_linear_op.load() and cpu_packed_gemm_linear_op.tile_rows() >= 8
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:

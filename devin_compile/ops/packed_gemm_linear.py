@@ -7,6 +7,9 @@ Schema::
 
 x [..., K]; weight [⌈N/16⌉, K, 16] (:func:`pack_weight` of a [N, K] linear weight: block j, row k
 holds columns 16j..16j+15, zeros past N); returns ``linear(x, W, bias)`` [..., N], N = ``out_features``.
+Float32; bf16 for a tied output head (``pack_gemm_linears``): the C kernel widens its weights up to
+:data:`HALF_ROWS` rows (at one row faster than oneDNN's prepacked bf16 GEMV here), and more rows run
+oneDNN's bf16 GEMM over tiles of the weight copied out of the packed layout (:mod:`.dequant_tiles`).
 Meant for few rows (a decode step's, the logits rows of a step; with AVX-512 as fast as oneDNN up to
 512 rows): its CPU kernel (``backends/native/cpu_packed_gemm_linear_op.cpp`` + ``cpu_packed_gemm.c``,
 float32) streams the weight once for all rows, MR rows per register tile, where oneDNN's GEMV reads
@@ -23,13 +26,30 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.dequant import ROWS
 from ..backends.fused import cpu_packed_gemm_linear_op
+from .dequant_tiles import tiled_linear
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("packed_gemm_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
 _lib.define("packed_embedding(Tensor weight, Tensor ids) -> Tensor")
 
 BLOCK = 16
+# bf16 weights: rows up to this run the C kernel (fp32 FMAs over widened weights), more run oneDNN's bf16 GEMM
+# over tiles (1 thread, CPU time, the 49152 x 576 head: 2.4 vs 4.0 ms at 1 row, 4.8 vs 3.6 at 4, 16 vs 6.4 at 16)
+HALF_ROWS = 4
+
+
+class PackedTiles:
+    """A packed weight as :class:`~devin_compile.backends.dequant.Tiles`: blocks copied out of the layout."""
+
+    def __init__(self, weight: torch.Tensor, n: int) -> None:
+        self.weight, self.n, self.k = weight, n, weight.shape[1]
+
+    def __call__(self, b0: int, nb: int, out: torch.Tensor, block_stride: int, k_stride: int) -> None:
+        src = self.weight[b0:b0 + nb]  # [nb, K, 16]
+        dst = out.as_strided((nb, self.k, ROWS), (block_stride, k_stride, 1))
+        dst.copy_(src)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -50,6 +70,8 @@ def unpack_weight(weight: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def packed_gemm_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                  out_features: int) -> torch.Tensor:
+    if weight.dtype != torch.float32 and weight.device.type == "cpu" and x.numel() > HALF_ROWS * x.shape[-1]:
+        return tiled_linear(x, PackedTiles(weight, out_features), bias)
     return torch.nn.functional.linear(x, unpack_weight(weight, out_features), bias)
 
 
@@ -88,8 +110,8 @@ def serves_many_rows() -> bool:
 
 def cpu_kernel_declines(weight: torch.Tensor) -> str | None:
     """Why the C++ kernel would not serve this [N, K] weight (None: it would)."""
-    if weight.dtype != torch.float32:
-        return f"the CPU kernel computes float32 only, not {weight.dtype}"
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"the CPU kernel computes float32 and bf16 only, not {weight.dtype}"
     if weight.shape[1] % 2:
         return f"weight {tuple(weight.shape)}: K odd"
     return None

@@ -15,7 +15,9 @@
 // devin_moe_gate_up:   buf[p] = [x[tok[p]] @ gate_eᵀ | x[tok[p]] @ up_eᵀ] (row p: 2F floats), pairs
 //                      sorted by expert (offs[e]..offs[e+1] are expert e's);
 // devin_moe_down:      y[pair[p]] = (h[p] @ down_eᵀ) * pair_w[pair[p]] (row: H floats);
-// devin_packed_gemm_linear: y[r] = x[r] @ Wᵀ (dense layout).
+// devin_packed_gemm_linear: y[r] = x[r] @ Wᵀ (dense layout);
+// devin_packed_gemm_linear_bf16w: the same over bf16 weights (each widened to float32 as it is read:
+//                      a bf16 value is a float32 with its low 16 bits zero), float32 x and y.
 // Each returns 0, or 1 for shapes the packing does not cover (a dimension not a multiple of 16).
 #include <stdint.h>
 #include <string.h>
@@ -37,6 +39,20 @@ INLINE v16 load16(const float *p) {
 }
 
 INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// 16 weights at w + i: float32, or bf16 widened (half = 1; a compile-time constant after inlining).
+INLINE v16 load_w(const void *w, int64_t i, const int half) {
+    if (!half) return load16((const float *)w + i);
+    v16h h;
+    memcpy(&h, (const uint16_t *)w + i, sizeof h);
+    const v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 // R rows (a compile-time constant after inlining) of one gate/up block: 2·R accumulator chains.
 INLINE void gate_up_tile(const int R, const float *x, int64_t x_stride, const int64_t *tok, const float *w, int h,
@@ -66,23 +82,35 @@ INLINE void gate_up_tile(const int R, const float *x, int64_t x_stride, const in
 
 // R rows of one 16-column block of a dense-layout weight: yr[r][16j..] = Σ_k xr[r][k]·w[k] (times
 // scale[r] when given). k runs in pairs over two accumulator sets (one chain per row is
-// latency-bound at one row), added at the end.
-INLINE void block_tile(const int R, const float *const *xr, const float *w, int k_len, float *const *yr,
-                       const float *scale, int j) {
-    v16 a0[MR], a1[MR];
-    for (int r = 0; r < R; r++) {
-        a0[r] = (v16){0};
-        a1[r] = (v16){0};
-    }
-    for (int k = 0; k < k_len; k += 2) {
-        const v16 w0 = load16(w + 16 * (int64_t)k), w1 = load16(w + 16 * (int64_t)k + 16);
+// latency-bound at one row), added at the end; bf16 weights at one or two rows, in fours over four
+// (they stream twice as many weights a byte, so the chains, not memory, bound them there).
+INLINE void block_tile(const int R, const float *const *xr, const void *w, int k_len, float *const *yr,
+                       const float *scale, int j, const int half) {
+    const int sets = half && R <= 2 && k_len % 4 == 0 ? 4 : 2;
+    v16 a[4][MR];
+    for (int s = 0; s < 4; s++)
+        for (int r = 0; r < R; r++) a[s][r] = (v16){0};
+    if (sets == 4) {
+        for (int k = 0; k < k_len; k += 4) {
+            v16 wv[4];
+            for (int s = 0; s < 4; s++) wv[s] = load_w(w, 16 * (int64_t)(k + s), half);
+            for (int r = 0; r < R; r++)
+                for (int s = 0; s < 4; s++) a[s][r] += xr[r][k + s] * wv[s];
+        }
+    } else {
+        for (int k = 0; k < k_len; k += 2) {
+            const v16 w0 = load_w(w, 16 * (int64_t)k, half), w1 = load_w(w, 16 * (int64_t)k + 16, half);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            a0[r] += xr[r][k] * w0;
-            a1[r] += xr[r][k + 1] * w1;
+            for (int r = 0; r < R; r++) {
+                a[0][r] += xr[r][k] * w0;
+                a[1][r] += xr[r][k + 1] * w1;
+            }
         }
     }
-    for (int r = 0; r < R; r++) store16(yr[r] + 16 * j, scale ? (a0[r] + a1[r]) * scale[r] : a0[r] + a1[r]);
+    for (int r = 0; r < R; r++) {
+        const v16 sum = sets == 4 ? (a[0][r] + a[1][r]) + (a[2][r] + a[3][r]) : a[0][r] + a[1][r];
+        store16(yr[r] + 16 * j, scale ? sum * scale[r] : sum);
+    }
 }
 
 // Expert rows p0.. of the down phase: gather row pointers and routing weights, then the tile.
@@ -95,19 +123,19 @@ INLINE void down_tile(const int R, const float *hbuf, const int64_t *pair, const
         yr[r] = y + pair[p0 + r] * (int64_t)h;
         scale[r] = pair_w[pair[p0 + r]];
     }
-    block_tile(R, xr, w, f, yr, scale, j);
+    block_tile(R, xr, w, f, yr, scale, j, 0);
 }
 
 // Rows r0.. of a dense linear.
-INLINE void linear_tile(const int R, const float *x, int64_t x_stride, const float *w, int k, float *y,
-                        int64_t y_stride, int64_t r0, int j) {
+INLINE void linear_tile(const int R, const float *x, int64_t x_stride, const void *w, int k, float *y,
+                        int64_t y_stride, int64_t r0, int j, const int half) {
     const float *xr[MR];
     float *yr[MR];
     for (int r = 0; r < R; r++) {
         xr[r] = x + (r0 + r) * x_stride;
         yr[r] = y + (r0 + r) * y_stride;
     }
-    block_tile(R, xr, w, k, yr, 0, j);
+    block_tile(R, xr, w, k, yr, 0, j, half);
 }
 
 #define ROWS(c) ((c) < MR ? (c) : MR)
@@ -167,17 +195,28 @@ int devin_moe_down(const float *hbuf, const int64_t *pair, const float *pair_w, 
     return 0;
 }
 
-int devin_packed_gemm_linear(const float *x, int64_t x_stride, int64_t m, const float *w, int n, int k, float *y,
-                        int64_t y_stride, int num_threads) {
+INLINE int packed_linear(const float *x, int64_t x_stride, int64_t m, const void *w, int n, int k, float *y,
+                         int64_t y_stride, int num_threads, const int half) {
     if (n <= 0 || k <= 0 || n % 16 || k % 2) return 1;
     const int nb = n / 16;
+    const size_t elem = half ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && nb > 1)
     for (int j = 0; j < nb; j++) {
-        const float *wp = w + (int64_t)j * k * 16;
+        const char *wp = (const char *)w + (int64_t)j * k * 16 * elem;
         for (int64_t r = 0; r < m; r += MR) {
             const int64_t left = m - r;
-            DISPATCH(linear_tile, left, x, x_stride, wp, k, y, y_stride, r, j)
+            DISPATCH(linear_tile, left, x, x_stride, wp, k, y, y_stride, r, j, half)
         }
     }
     return 0;
+}
+
+int devin_packed_gemm_linear(const float *x, int64_t x_stride, int64_t m, const float *w, int n, int k, float *y,
+                             int64_t y_stride, int num_threads) {
+    return packed_linear(x, x_stride, m, w, n, k, y, y_stride, num_threads, 0);
+}
+
+int devin_packed_gemm_linear_bf16w(const float *x, int64_t x_stride, int64_t m, const uint16_t *w, int n, int k,
+                                   float *y, int64_t y_stride, int num_threads) {
+    return packed_linear(x, x_stride, m, w, n, k, y, y_stride, num_threads, 1);
 }
