@@ -12,14 +12,15 @@ cost. Each row also gives the bytes of the tensors reachable from the ``Optimize
 (:func:`devin_compile.weights.held_tensors`, KV pool left out), the weights as the program holds them.
 
 Modes: ``dense`` (no quantization), ``int4`` (RTN g64, every decoder linear), ``fp8`` (every
-decoder linear), ``mix`` (the three-tier knapsack at half the model dtype's decoder-linear bytes),
+decoder linear), ``mix`` (the three-tier knapsack at half the decoder linears' bf16 bytes: a
+``memory_fraction`` of 0.5 in bf16, 0.25 in float32),
 all from one RTN artifact with both tiers, made once (calibrated on 2 x 128 tokens of the shipped
 set: the mix needs sensitivities) and cached under ``$DEVIN_COMPILE_CACHE/bench-memory``.
 
-Prefill: per quantized mode and dtype one process optimizes the model twice, with the default
-long steps (dequantized tiles, no dense copy) and with ``dense_prefill=True`` (dense copies), and
-times a 512-token prompt (one prefill step and the first token) on each, alternating, ``--repeats``
-times after a warm-up; tok/s from the medians. Writes ``bench/results/memory.json``.
+Prefill: per quantized mode and dtype one process optimizes the model three times, with the default
+long steps (dequantized tiles, no dense copy), with ``dense_prefill=True`` (dense copies) and
+unquantized, and times a 512-token prompt (one prefill step and the first token) on each,
+alternating, ``--repeats`` times after a warm-up; tok/s from the medians. Writes ``bench/results/memory.json``.
 """
 from __future__ import annotations
 
@@ -39,12 +40,13 @@ PROMPT_TOKENS = 512
 MODES = ("dense", "int4", "fp8", "mix")
 
 
-def quant_options(mode: str, art: str, **extra) -> dict:
+def quant_options(mode: str, art: str, dtype: str, **extra) -> dict:
     """``optimize()`` options of a mode (``art``: the artifact folder)."""
     if mode == "dense":
         return {}
+    fraction = 0.25 if dtype == "float32" else 0.5  # half the bf16 bytes either way
     q = {"int4": {"tiers": "int4"}, "fp8": {"tiers": "fp8"},
-         "mix": {"tiers": "int4,fp8", "target": {"memory_fraction": 0.5}}}[mode]
+         "mix": {"tiers": "int4,fp8", "target": {"memory_fraction": fraction}}}[mode]
     return {"quantized": art, "quantization": {**q, **extra}}
 
 
@@ -82,7 +84,7 @@ def child_memory(task: dict) -> dict:
         opt = devin_compile.optimize(model.eval().to(dtype), num_kv_blocks=64)
     elif task["what"] != "load":
         opt = devin_compile.optimize(model, tokenizer=tok, num_kv_blocks=64,
-                                     **quant_options(task["what"], task["artifact"]))
+                                     **quant_options(task["what"], task["artifact"], task["dtype"]))
     del model
     out = {"rss_mib": _rss_mib(), "param_bytes": params}
     if opt is not None and task["what"] != "tiny":
@@ -117,8 +119,9 @@ def child_prefill(task: dict) -> dict:
     text = (ROOT.parent / "shared" / "data" / "tinyshakespeare.txt").read_text()
     prompt = tok(text[:8000], add_special_tokens=False)["input_ids"][:PROMPT_TOKENS]
     assert len(prompt) == PROMPT_TOKENS, len(prompt)
-    mode, art = task["mode"], task["artifact"]
-    opts = {"tiles": quant_options(mode, art), "dense_copies": quant_options(mode, art, dense_prefill=True)}
+    mode, art, dtype = task["mode"], task["artifact"], task["dtype"]
+    opts = {"tiles": quant_options(mode, art, dtype),
+            "dense_copies": quant_options(mode, art, dtype, dense_prefill=True), "unquantized": {}}
     engines = {name: devin_compile.optimize(model, tokenizer=tok, num_kv_blocks=64, **o) for name, o in opts.items()}
     times: dict[str, list[float]] = {name: [] for name in engines}
     for name, opt in engines.items():
@@ -199,8 +202,8 @@ def prefill_rows(dtypes: list[str], modes: list[str], art: str, repeats: int) ->
             r = run_child("prefill", {"mode": mode, "dtype": dtype, "artifact": art, "repeats": repeats})
             rows.append({"dtype": dtype, "mode": mode, **r})
             print(f"{dtype:9s} {mode:6s} prefill {PROMPT_TOKENS} tokens: tiles {r['tiles']['tok_s']:7.1f} tok/s, "
-                  f"dense copies {r['dense_copies']['tok_s']:7.1f} tok/s ({r['tiles_vs_dense_copies']:.2f}x)",
-                  flush=True)
+                  f"dense copies {r['dense_copies']['tok_s']:7.1f} tok/s ({r['tiles_vs_dense_copies']:.2f}x), "
+                  f"unquantized {r['unquantized']['tok_s']:7.1f} tok/s", flush=True)
     return rows
 
 
