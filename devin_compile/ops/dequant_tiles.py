@@ -22,7 +22,7 @@ import torch
 
 from ..backends import dequant
 from ..backends.dequant import ROWS, Tiles
-from ..backends.fused import cpu_packed_gemm_linear_op
+from . import packed_gemm_linear as packed_op
 from .onednn_linear import onednn_supports
 
 # Bytes of one tile, in the GEMM's dtype: SmolLM2's widest linear (gate+up, 3072 x 576) is one float32
@@ -60,7 +60,7 @@ def is_long_step(x: torch.Tensor, dense: torch.Tensor | None, max_tokens: int) -
 @functools.lru_cache(maxsize=None)
 def packed_gemm_serves() -> bool:
     """Whether float32 tiles go to ``devin::packed_gemm_linear`` (its C++ kernel built, 8-row register tile)."""
-    return cpu_packed_gemm_linear_op.load() and cpu_packed_gemm_linear_op.tile_rows() >= 8
+    return packed_op.load_cpu_kernel() and packed_op.serves_many_rows()
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -11,9 +11,10 @@ on a few rows over the largest weight of a small model (the Mixtral-shaped bench
 bandwidth of the op's C kernel here. Every other float32 linear too where that kernel's register
 tile holds 8 rows (AVX-512): there it is as fast as oneDNN's prepacked GEMM from 16 to 512 rows
 and about twice as fast at decode rows (the bench's attention projections: ~20 vs ~40 µs at one
-row); with the 2-row AVX2 tile those stay for ``prepack_onednn_linears``. In a bf16 model only an output
-head tied to the embedding (its packed copy then serves both, where a oneDNN-prepacked head would sit
-beside the dense embedding); the other bf16 linears are ``prepack_onednn_linears'``. Enabled by ``pack_linears``.
+row); with the 2-row AVX2 tile those stay for ``prepack_onednn_linears``. In a bf16 model, on CPUs with
+AVX512-BF16, only an output head tied to the embedding (its packed copy then serves both, where a
+oneDNN-prepacked head would sit beside the dense embedding; at one row as fast as oneDNN's GEMV);
+the other bf16 linears are ``prepack_onednn_linears'``. Enabled by ``pack_linears``.
 
 Invariant: outputs equal up to float32 summation order, and a row's result does not depend on
 the other rows of the step; packed weights are shared by the prefill and decode graphs and
@@ -88,9 +89,10 @@ class PackGemmLinears(Pass):
 
 def _wanted(gm: torch.fx.GraphModule, w: torch.Tensor | None, head: bool, every: bool) -> bool:
     """Whether to pack this linear: float32 heads, other float32 linears where the tile holds 8 rows, and a
-    bf16 head only where an embedding reads its weight too (tied)."""
+    bf16 head only where an embedding reads its weight too (tied) and the kernel takes bf16 (AVX512-BF16)."""
     if w is not None and w.dtype == torch.bfloat16:
-        return head and any(is_call(n, aten.embedding.default) and param_of(gm, n.args[0]) is w for n in gm.graph.nodes)
+        return head and packed_op.serves_bf16() and any(
+            is_call(n, aten.embedding.default) and param_of(gm, n.args[0]) is w for n in gm.graph.nodes)
     return head or every
 
 

@@ -16,9 +16,11 @@
 //                      sorted by expert (offs[e]..offs[e+1] are expert e's);
 // devin_moe_down:      y[pair[p]] = (h[p] @ down_eᵀ) * pair_w[pair[p]] (row: H floats);
 // devin_packed_gemm_linear: y[r] = x[r] @ Wᵀ (dense layout);
-// devin_packed_gemm_linear_bf16w: the same over bf16 weights (each widened to float32 as it is read:
-//                      a bf16 value is a float32 with its low 16 bits zero), float32 x and y.
-// Each returns 0, or 1 for shapes the packing does not cover (a dimension not a multiple of 16).
+// devin_packed_gemm_linear_bf16: the same for bf16 x and weights in the bf16 pair layout
+//                      [N/16][K/2][16][2] (row k2 holds columns 16j..16j+15 of k = 2k2 and 2k2 + 1, as
+//                      AVX512-BF16's vdpbf16ps pairs them), float32 y; products exact, float32 sums.
+// Each returns 0, 1 for shapes the packing does not cover (a dimension not a multiple of 16), or 2
+// where the build has no AVX512-BF16 (devin_packed_gemm_bf16_built() says which).
 #include <stdint.h>
 #include <string.h>
 
@@ -39,20 +41,6 @@ INLINE v16 load16(const float *p) {
 }
 
 INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-// 16 weights at w + i: float32, or bf16 widened (half = 1; a compile-time constant after inlining).
-INLINE v16 load_w(const void *w, int64_t i, const int half) {
-    if (!half) return load16((const float *)w + i);
-    v16h h;
-    memcpy(&h, (const uint16_t *)w + i, sizeof h);
-    const v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16 f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 // R rows (a compile-time constant after inlining) of one gate/up block: 2·R accumulator chains.
 INLINE void gate_up_tile(const int R, const float *x, int64_t x_stride, const int64_t *tok, const float *w, int h,
@@ -82,35 +70,23 @@ INLINE void gate_up_tile(const int R, const float *x, int64_t x_stride, const in
 
 // R rows of one 16-column block of a dense-layout weight: yr[r][16j..] = Σ_k xr[r][k]·w[k] (times
 // scale[r] when given). k runs in pairs over two accumulator sets (one chain per row is
-// latency-bound at one row), added at the end; bf16 weights at one or two rows, in fours over four
-// (they stream twice as many weights a byte, so the chains, not memory, bound them there).
-INLINE void block_tile(const int R, const float *const *xr, const void *w, int k_len, float *const *yr,
-                       const float *scale, int j, const int half) {
-    const int sets = half && R <= 2 && k_len % 4 == 0 ? 4 : 2;
-    v16 a[4][MR];
-    for (int s = 0; s < 4; s++)
-        for (int r = 0; r < R; r++) a[s][r] = (v16){0};
-    if (sets == 4) {
-        for (int k = 0; k < k_len; k += 4) {
-            v16 wv[4];
-            for (int s = 0; s < 4; s++) wv[s] = load_w(w, 16 * (int64_t)(k + s), half);
-            for (int r = 0; r < R; r++)
-                for (int s = 0; s < 4; s++) a[s][r] += xr[r][k + s] * wv[s];
-        }
-    } else {
-        for (int k = 0; k < k_len; k += 2) {
-            const v16 w0 = load_w(w, 16 * (int64_t)k, half), w1 = load_w(w, 16 * (int64_t)k + 16, half);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                a[0][r] += xr[r][k] * w0;
-                a[1][r] += xr[r][k + 1] * w1;
-            }
-        }
-    }
+// latency-bound at one row), added at the end.
+INLINE void block_tile(const int R, const float *const *xr, const float *w, int k_len, float *const *yr,
+                       const float *scale, int j) {
+    v16 a0[MR], a1[MR];
     for (int r = 0; r < R; r++) {
-        const v16 sum = sets == 4 ? (a[0][r] + a[1][r]) + (a[2][r] + a[3][r]) : a[0][r] + a[1][r];
-        store16(yr[r] + 16 * j, scale ? sum * scale[r] : sum);
+        a0[r] = (v16){0};
+        a1[r] = (v16){0};
     }
+    for (int k = 0; k < k_len; k += 2) {
+        const v16 w0 = load16(w + 16 * (int64_t)k), w1 = load16(w + 16 * (int64_t)k + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            a0[r] += xr[r][k] * w0;
+            a1[r] += xr[r][k + 1] * w1;
+        }
+    }
+    for (int r = 0; r < R; r++) store16(yr[r] + 16 * j, scale ? (a0[r] + a1[r]) * scale[r] : a0[r] + a1[r]);
 }
 
 // Expert rows p0.. of the down phase: gather row pointers and routing weights, then the tile.
@@ -123,19 +99,19 @@ INLINE void down_tile(const int R, const float *hbuf, const int64_t *pair, const
         yr[r] = y + pair[p0 + r] * (int64_t)h;
         scale[r] = pair_w[pair[p0 + r]];
     }
-    block_tile(R, xr, w, f, yr, scale, j, 0);
+    block_tile(R, xr, w, f, yr, scale, j);
 }
 
 // Rows r0.. of a dense linear.
-INLINE void linear_tile(const int R, const float *x, int64_t x_stride, const void *w, int k, float *y,
-                        int64_t y_stride, int64_t r0, int j, const int half) {
+INLINE void linear_tile(const int R, const float *x, int64_t x_stride, const float *w, int k, float *y,
+                        int64_t y_stride, int64_t r0, int j) {
     const float *xr[MR];
     float *yr[MR];
     for (int r = 0; r < R; r++) {
         xr[r] = x + (r0 + r) * x_stride;
         yr[r] = y + (r0 + r) * y_stride;
     }
-    block_tile(R, xr, w, k, yr, 0, j, half);
+    block_tile(R, xr, w, k, yr, 0, j);
 }
 
 #define ROWS(c) ((c) < MR ? (c) : MR)
@@ -195,28 +171,78 @@ int devin_moe_down(const float *hbuf, const int64_t *pair, const float *pair_w, 
     return 0;
 }
 
-INLINE int packed_linear(const float *x, int64_t x_stride, int64_t m, const void *w, int n, int k, float *y,
-                         int64_t y_stride, int num_threads, const int half) {
+int devin_packed_gemm_linear(const float *x, int64_t x_stride, int64_t m, const float *w, int n, int k, float *y,
+                        int64_t y_stride, int num_threads) {
     if (n <= 0 || k <= 0 || n % 16 || k % 2) return 1;
     const int nb = n / 16;
-    const size_t elem = half ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && nb > 1)
     for (int j = 0; j < nb; j++) {
-        const char *wp = (const char *)w + (int64_t)j * k * 16 * elem;
+        const float *wp = w + (int64_t)j * k * 16;
         for (int64_t r = 0; r < m; r += MR) {
             const int64_t left = m - r;
-            DISPATCH(linear_tile, left, x, x_stride, wp, k, y, y_stride, r, j, half)
+            DISPATCH(linear_tile, left, x, x_stride, wp, k, y, y_stride, r, j)
         }
     }
     return 0;
 }
 
-int devin_packed_gemm_linear(const float *x, int64_t x_stride, int64_t m, const float *w, int n, int k, float *y,
-                             int64_t y_stride, int num_threads) {
-    return packed_linear(x, x_stride, m, w, n, k, y, y_stride, num_threads, 0);
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+// R rows (R <= MR) of one 16-column block over bf16 pairs: acc[r] += (x[r][2k2], x[r][2k2+1]) · w pair; at
+// one or two rows four accumulator chains a row (vdpbf16ps's latency would bound one chain).
+INLINE void bf16_tile(const int R, const uint16_t *x, int64_t x_stride, const uint16_t *w, int k, float *y,
+                      int64_t y_stride, int64_t r0, int j) {
+    const int NA = R <= 2 ? 4 : 1, k2n = k / 2;
+    __m512 acc[4 * MR];
+    for (int i = 0; i < NA * R; i++) acc[i] = _mm512_setzero_ps();
+    const uint32_t *xr[MR];
+    for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(x + (r0 + r) * x_stride);
+    int k2 = 0;
+    for (; k2 + NA <= k2n; k2 += NA)
+        for (int a = 0; a < NA; a++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + 32 * (int64_t)(k2 + a));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                acc[r * NA + a] = _mm512_dpbf16_ps(acc[r * NA + a], (__m512bh)_mm512_set1_epi32((int)xr[r][k2 + a]), wv);
+        }
+    for (; k2 < k2n; k2++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + 32 * (int64_t)k2);
+        for (int r = 0; r < R; r++)
+            acc[r * NA] = _mm512_dpbf16_ps(acc[r * NA], (__m512bh)_mm512_set1_epi32((int)xr[r][k2]), wv);
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 s = acc[r * NA];
+        for (int a = 1; a < NA; a++) s = _mm512_add_ps(s, acc[r * NA + a]);
+        _mm512_storeu_ps(y + (r0 + r) * y_stride + 16 * j, s);
+    }
+}
+#endif
+
+int devin_packed_gemm_bf16_built(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
 }
 
-int devin_packed_gemm_linear_bf16w(const float *x, int64_t x_stride, int64_t m, const uint16_t *w, int n, int k,
-                                   float *y, int64_t y_stride, int num_threads) {
-    return packed_linear(x, x_stride, m, w, n, k, y, y_stride, num_threads, 1);
+int devin_packed_gemm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *w, int n, int k,
+                                  float *y, int64_t y_stride, int num_threads) {
+#ifdef __AVX512BF16__
+    if (n <= 0 || k <= 0 || n % 16 || k % 2) return 1;
+    const int nb = n / 16;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && nb > 1)
+    for (int j = 0; j < nb; j++) {
+        const uint16_t *wp = w + (int64_t)j * k * 16;
+        for (int64_t r = 0; r < m; r += MR) {
+            const int64_t left = m - r;
+            DISPATCH(bf16_tile, left, x, x_stride, wp, k, y, y_stride, r, j)
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)m, (void)w, (void)n, (void)k, (void)y, (void)y_stride, (void)num_threads;
+    return 2;
+#endif
 }
