@@ -23,6 +23,7 @@ from .runtime.distributed import BroadcastRunner, RankGroup, agree_on_blocks, in
 from .runtime.kv_prune import active_config as active_kv_prune
 from .runtime.scratch import scratch_step, scratch_steps
 from .runtime.speculative.factory import DraftBuilder
+from .weights import own_weights
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     info = model_info(model)  # fail fast on unsupported models, before any copy
     group, config = _rank_group(model, info, config)  # tensor_parallel > 1: checked before any weight moves
     offload_roles = set(check_offload_layers(model, list(config.offload_layers)).values())
+    callers = model
     if config.dtype is not None and next(model.parameters()).dtype != config.dtype:
         model = copy.deepcopy(model).to(config.dtype)
     if config.device is not None and next(model.parameters()).device != torch.device(config.device):
@@ -71,6 +73,8 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     probe = make_probe(info, info.device) if config.verify else None
     passes = default_passes(config, offload_roles, quant, group.spec if group is not None else None)
     report = PassManager(passes, dump_dir=config.dump_dir, probe=probe).run(program, ctx)
+    if model is callers and group is None:  # (a converted copy dies with this call: the program keeps what it reads)
+        own_weights(program, model)
     drafts = DraftBuilder(model, tokenizer, vocab_size=info.vocab_size, dtype=info.dtype, compile=optimize)
     proposer = drafts(config.speculative) if config.speculative is not None else None
     identity = (ModelIdentity.of(model, None if quant is None else [quant[0].fingerprint, repr(quant[1])])
@@ -86,7 +90,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
         engine.runner = BroadcastRunner(engine.runner, group)
     return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0, rank_group=group,
                           hf_config=getattr(model, "config", None), drafts=drafts,
-                          quant_result=quant[0] if quant is not None else None,
+                          quant_result=_kept(quant, config),
                           precision_table=ctx.outputs.precision_table, quant_note=ctx.outputs.precision_note)
 
 
@@ -109,15 +113,24 @@ def _rank_group(model: torch.nn.Module, info: ModelInfo,
     return init_rank_group(tp, device), config
 
 
+def _kept(quant, config: OptimizeConfig):
+    """What ``OptimizedModel.quant_result`` holds: the QuantResult, without its tensors unless asked."""
+    if quant is None:
+        return None
+    return quant[0] if config.keep_quant_result else quant[0].without_tensors()
+
+
 def _resolve_quantization(model: torch.nn.Module, tokenizer, config: OptimizeConfig):
     """(QuantResult, QuantConfig) for the assign_precision pass, or None: quantize now
     (``quantization={...}``) or load a saved artifact (``quantized="dir/"``)."""
     from .quant import QuantConfig, artifact, quantize_for_optimize
+    from .quant.config import MACHINE_KEYS
     from .quant.result import check_tiers
 
     if config.quantized is not None:
         result = artifact.load(config.quantized, model)
-        merged = {k: v for k, v in result.config.items() if k in {f for f in QuantConfig.__dataclass_fields__}}
+        merged = {k: v for k, v in result.config.items()
+                  if k in QuantConfig.__dataclass_fields__ and k not in MACHINE_KEYS}
         merged.update(config.quantization or {})
         qcfg = QuantConfig.coerce(merged)
         check_tiers(result, qcfg.tiers, f"the artifact {config.quantized}")

@@ -776,7 +776,7 @@ def _int4_nodes(opt):
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
 def test_compiled_int4_model_equals_eager_simulation(tiny, method):
     model, _ = tiny
-    opt = devin_compile.optimize(model, tokenizer=CharTokenizer(),
+    opt = devin_compile.optimize(model, tokenizer=CharTokenizer(), keep_quant_result=True,
                                  quantization={"method": method, "group_size": 64, "calib_chunks": 4, "calib_len": 64})
     ids = torch.randint(3, 256, (1, 30))
     sim = simulate(model, opt.quant_result)
@@ -837,7 +837,7 @@ def _expand(label: str) -> list[str]:
 
 def test_artifact_reloads_to_identical_logits(tiny, tmp_path):
     model, _ = tiny
-    opt = devin_compile.optimize(model, tokenizer=CharTokenizer(),
+    opt = devin_compile.optimize(model, tokenizer=CharTokenizer(), keep_quant_result=True,
                                  quantization={"method": "awq", "group_size": 32, "calib_chunks": 3, "calib_len": 64})
     artifact.save(opt.quant_result, tmp_path / "q")
     meta = json.loads((tmp_path / "q" / "quant_config.json").read_text())
@@ -862,7 +862,7 @@ def test_lm_head_quantization_unties_a_tied_head(method, tmp_path):
                       max_position_embeddings=256, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg).eval()
     emb = model.get_input_embeddings().weight.detach().clone()
-    opt = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={
+    opt = devin_compile.optimize(model, tokenizer=CharTokenizer(), keep_quant_result=True, quantization={
         "method": method, "group_size": 32, "calib_chunks": 4, "calib_len": 64, "lm_head": True})
     res = opt.quant_result
     assert res.head == "lm_head" and "lm_head" in res.linears and len(res.linears) == 15
@@ -1003,7 +1003,8 @@ def test_parse_target_forms():
 def test_max_kl_target_is_resolved_by_measurement(tiny):
     model, _ = tiny
     kw = {"method": "rtn", "group_size": 32, "calib_chunks": 2, "calib_len": 64}
-    loose = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={**kw, "target": "max_kl=100"})
+    loose = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={**kw, "target": "max_kl=100"},
+                                   keep_quant_result=True)
     assert all(r["precision"] == "int4" for r in loose.precision_table)
     assert "max_kl=100.0: keep_fp=0 of 8" in " ".join(loose.quant_result.notes)
     strict = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={**kw, "target": {"max_kl": 1e-12}})

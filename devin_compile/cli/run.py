@@ -51,7 +51,9 @@ def main(args) -> int:
     spec = common.speculative_config(args)
     con = common.console()
     model, tok = common.load(args, con)
-    opt = common.optimize(model, tok, con, **options)
+    # weights quantized at start are saved for the speculative engine: keep them until it is built
+    keep = spec is not None and options.get("quantization") is not None and options.get("quantized") is None
+    opt = common.optimize(model, tok, con, **options, **({"keep_quant_result": True} if keep else {}))
     from ..api import optimize
 
     prompts = args.prompt or DEFAULT_PROMPTS
@@ -70,6 +72,8 @@ def main(args) -> int:
         with common.stage(con, f"optimizing with speculative={spec['method']} ..."), \
                 _reuse_quantization(opt, options) as spec_options:
             spec_opt = optimize(model, tokenizer=tok, speculative=spec, **spec_options)
+        if keep:
+            opt.quant_result = opt.quant_result.without_tensors()
     if not args.no_bench:
         _bench(args, con, model, opt, ids[0], spec_opt)
     return 0

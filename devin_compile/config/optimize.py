@@ -84,6 +84,9 @@ class OptimizeConfig:
     # that override the artifact's settings.
     quantization: QuantConfig | dict[str, Any] | None = None
     quantized: str | None = None
+    # OptimizedModel.quant_result with its tensors (to save or simulate weights quantized in optimize()):
+    # a second copy of every quantized weight. False: quant_result is the report without them.
+    keep_quant_result: bool = False
     # KV cache tiers under the paged pool, fastest first (devin_compile/cache/config.py); None: none.
     kv_cache_tiers: tuple[TierConfig, ...] | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
@@ -104,7 +107,7 @@ class OptimizeConfig:
             from ..backends.attention.registry import backend_names  # lazily: importing config loads no backend
 
             one_of("attention_backend", self.attention_backend, backend_names())
-        for name in ("compile_decode", "warmup"):
+        for name in ("compile_decode", "warmup", "keep_quant_result"):
             flag(name, getattr(self, name))
         self._check_compile_decode()
         int_at_least("cuda_graph_recompute_depth", self.cuda_graph_recompute_depth, 0)

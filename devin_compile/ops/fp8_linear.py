@@ -9,16 +9,19 @@ Schema::
 ``x`` [..., K] → [..., out_features] in x's dtype. ``qweight`` [N, K] holds e4m3fn codes and
 ``scale`` [N] float32 (the format: :mod:`devin_compile.backends.fp8.format`); ``kernel``:
 ``"reference" | "cpu_c" | "scaled_mm"`` (:mod:`devin_compile.backends.fp8.kernels`). As for
-``devin::int4_linear``, a step of more than ``max_fp8_tokens`` rows runs the dense copy
-``dense`` when there is one (:mod:`.dense_copy`).
+``devin::int4_linear``, a step of more than ``max_fp8_tokens`` rows runs a dense GEMM: over the
+dense copy ``dense`` when there is one (:mod:`.dense_copy`), else, for "cpu_c", over dequantized
+tiles (:mod:`.dequant_tiles`).
 """
 from __future__ import annotations
 
 import torch
 
+from ..backends.dequant import FP8Tiles
 from ..backends.fp8 import kernels
 from ..backends.fp8.format import dequantize, fp8_bytes, quantize  # noqa: F401  (re-exported for passes)
 from .dense_copy import dense_step
+from .dequant_tiles import is_long_step, tiled_linear
 from .onednn_linear import onednn_supports
 
 _lib = torch.library.Library("devin", "FRAGMENT")
@@ -30,6 +33,8 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_
                bias: torch.Tensor | None = None, dense: torch.Tensor | None = None, max_fp8_tokens: int = -1,
                dense_kernel: str = "linear") -> torch.Tensor:
     y = dense_step(x, dense, bias, max_fp8_tokens, dense_kernel)
+    if y is None and kernel == "cpu_c" and is_long_step(x, dense, max_fp8_tokens):
+        y = tiled_linear(x, FP8Tiles(qweight, scale, out_features, x.shape[-1]), bias)
     if y is not None:
         return y
     return kernels.run(x, qweight, scale, out_features, kernel, bias)

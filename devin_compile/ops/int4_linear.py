@@ -10,20 +10,22 @@ Schema::
 layout of ``kernel`` (``"reference" | "cpu" | "cpu_c" | "triton"``, see
 :mod:`devin_compile.backends.int4.kernels`; the format contract is in :mod:`devin_compile.backends.int4.format`).
 
-Kernel choice by the number of tokens in the step: when ``dense`` is given (the weight
-dequantized once, at compile time, to the activation dtype) and the call has more than
-``max_int4_tokens`` rows, it runs as a dense linear (:mod:`.dense_copy`: ``dense_kernel``
-"mkldnn", "upcast" or "linear"); otherwise the int4 kernel runs. ``max_int4_tokens=-1`` means
-"always int4".
+Kernel choice by the number of tokens in the step: up to ``max_int4_tokens`` rows the int4 kernel
+runs. A longer step runs a dense GEMM: over ``dense`` when given (the weight dequantized once, at
+compile time, to the activation dtype: :mod:`.dense_copy`, ``dense_kernel`` "mkldnn", "upcast" or
+"linear"), else, for the "cpu_c" kernel, over tiles of the weight dequantized into a reused scratch
+buffer (:mod:`.dequant_tiles`: no dense copy kept). ``max_int4_tokens=-1`` means "always int4".
 """
 from __future__ import annotations
 
 import torch
 
+from ..backends.dequant import Int4Tiles
 from ..backends.int4 import crossover, kernels
 from ..backends.int4.format import dequantize, int4_bytes  # noqa: F401  (re-exported for passes)
 from .onednn_linear import onednn_supports
 from .dense_copy import dense_step
+from .dequant_tiles import is_long_step, tiled_linear
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("int4_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size, int out_features, "
@@ -36,6 +38,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tens
                 dense: torch.Tensor | None = None, max_int4_tokens: int = -1,
                 dense_kernel: str = "linear") -> torch.Tensor:
     y = dense_step(x, dense, bias, max_int4_tokens, dense_kernel)
+    if y is None and kernel == "cpu_c" and is_long_step(x, dense, max_int4_tokens):
+        y = tiled_linear(x, Int4Tiles(qweight, scales_zeros, group_size, out_features, x.shape[-1]), bias)
     if y is not None:
         return y
     return kernels.run(x, qweight, scales_zeros, group_size, out_features, kernel, bias)

@@ -33,11 +33,12 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    resolved before compiling into ``keep_fp=N`` by measuring the KL of eager simulations on
    calibration text (:func:`~devin_compile.quant.quantize.resolve_max_kl`).
 4. INT4 linears become ``devin::int4_linear`` and FP8 linears ``devin::fp8_linear``
-   (operands prepared once for the kernel; FP8's sensitivity is the same statistic for its rounding);
-   with ``dense_prefill`` a dequantized dense copy (:func:`~devin_compile.ops.dense_copy.dense_copy_policy`:
-   oneDNN-prepacked on CPU; on CPUs without native bf16/fp16 GEMMs run by
-   :func:`~devin_compile.ops.upcast_linear.upcast_linear`) serves
-   steps of more than ``max_int4_tokens`` tokens. Kept linears of an AWQ result get their folded
+   (operands prepared once for the kernel; FP8's sensitivity is the same statistic for its rounding).
+   Steps of more than ``max_int4_tokens`` (``max_fp8_tokens``) tokens run a dense GEMM over tiles of
+   the weight dequantized per step (:mod:`~devin_compile.ops.dequant_tiles`; no dense copy kept), or,
+   with ``dense_prefill=True`` (and by default for aten's "cpu" INT4 kernel, which has no tiles), over a
+   dequantized dense copy (:func:`~devin_compile.ops.dense_copy.dense_copy_policy`: oneDNN-prepacked on
+   CPU; on CPUs without native bf16/fp16 GEMMs run by :func:`~devin_compile.ops.upcast_linear.upcast_linear`). Kept linears of an AWQ result get their folded
    full-precision weight; AWQ's scaled norm weights replace the originals.
 
 The report's note gives the counts, bytes and kernel; ``details`` is the per-layer table
@@ -53,6 +54,7 @@ import torch.fx
 
 from ..graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead_code, fake_like, is_call, linear_bias,
                            node_delta, param_of)
+from ..ops import dequant_tiles
 from ..ops import fp8_linear as fp8_op
 from ..ops import int4_linear as int4_op
 from ..ops.dense_copy import DenseCopyPolicy, dense_copy_policy
@@ -75,15 +77,24 @@ def hf_name(target: str) -> str:
 
 @dataclass(frozen=True)
 class _Kernels:
-    """The kernels this device and activation dtype get, and when the dense copies serve instead."""
+    """The kernels this device and activation dtype get, and what serves the steps above their limits."""
 
     int4: str
-    int4_max_tokens: int  # -1: no dense copy (the INT4 kernel serves every step)
-    int4_dense: bool
+    int4_max_tokens: int  # -1: the INT4 kernel serves every step
+    int4_long: str  # steps above the limit: "dense" (a dense copy), "tiles" (dequantized tiles), "" (none)
     fp8: str
-    fp8_max_tokens: int  # -1: no dense copy
-    fp8_dense: bool
+    fp8_max_tokens: int  # -1: the FP8 kernel serves every step
+    fp8_long: str
     dense_copy: DenseCopyPolicy
+
+
+def long_steps(kernel: str, tiles: bool, dense_prefill: bool | None) -> str:
+    """What runs a CPU quantized kernel's long steps: "dense" copies where ``dense_prefill`` asks (by default
+    only where there are no tiles), "tiles" where the C kernels are, else "" (the kernel runs every step)."""
+    if kernel not in ("cpu", "cpu_c"):
+        return ""
+    dense = dense_prefill if dense_prefill is not None else not tiles
+    return "dense" if dense else "tiles" if tiles else ""
 
 
 class AssignPrecision(Pass):
@@ -164,21 +175,22 @@ class AssignPrecision(Pass):
         return choose_tiers(cands, self.qconfig.target, tiers), sens_kind
 
     def _kernels(self, device: torch.device, dtype: torch.dtype) -> _Kernels:
-        """The INT4 kernel (and its dense-copy limit), the FP8 kernel (and its), the dense-copy policy."""
+        """The INT4 kernel (and its limit), the FP8 kernel (and its), what serves long steps, the dense-copy policy."""
         cfg = self.qconfig
         kernel = int4_op.default_kernel(device) if cfg.kernel == "auto" else cfg.kernel
         int4_op.check_kernel(kernel, device)
-        dense = cfg.dense_prefill and kernel in ("cpu", "cpu_c")
-        if not dense:
+        tiles = device.type == "cpu" and dequant_tiles.available()
+        int4_long = long_steps(kernel, tiles and kernel == "cpu_c", cfg.dense_prefill)
+        if not int4_long:
             limit = -1
         elif cfg.max_int4_tokens is not None:
             limit = cfg.max_int4_tokens
         else:
             limit = int4_op.max_int4_tokens(kernel, dtype)
         fp8_kernel = fp8_op.default_kernel(device)
-        fp8_dense = cfg.dense_prefill and fp8_kernel == "cpu_c"
-        return _Kernels(kernel, limit, dense, fp8_kernel, fp8_op.max_fp8_tokens(dtype) if fp8_dense else -1,
-                        fp8_dense, dense_copy_policy(device, dtype))
+        fp8_long = long_steps(fp8_kernel, tiles, cfg.dense_prefill) if fp8_kernel == "cpu_c" else ""
+        return _Kernels(kernel, limit, int4_long, fp8_kernel, fp8_op.max_fp8_tokens(dtype) if fp8_long else -1,
+                        fp8_long, dense_copy_policy(device, dtype))
 
     def _to_int4(self, gm, i: int, c: Candidate, parts, kernels: _Kernels, dtype, device) -> int:
         """``linear`` → ``devin::int4_linear``; returns the bytes of its dense copy (0 without one)."""
@@ -190,7 +202,7 @@ class AssignPrecision(Pass):
             qw_node = add_constant(gm, f"int4_{i}_qweight", qw, fake_like(w_node, qw))
             sz_node = add_constant(gm, f"int4_{i}_scales_zeros", sz, fake_like(w_node, sz))
             kwargs = {"bias": linear_bias(node), "max_int4_tokens": -1 if head else kernels.int4_max_tokens}
-            dense = kernels.int4_dense and not head
+            dense = kernels.int4_long == "dense" and not head
             if dense:
                 _add_dense_copy(gm, f"int4_{i}_dense", int4_op.dequantize(q, scale, minv, c.group_size, dtype),
                                 w_node, kwargs, kernels.dense_copy)
@@ -210,14 +222,14 @@ class AssignPrecision(Pass):
             qw_node = add_constant(gm, f"fp8_{i}_qweight", qw, fake_like(w_node, qw))
             sc_node = add_constant(gm, f"fp8_{i}_scale", sc, fake_like(w_node, sc))
             kwargs = {"bias": linear_bias(node), "max_fp8_tokens": limit}
-            if limit >= 0:
+            if limit >= 0 and kernels.fp8_long == "dense":
                 _add_dense_copy(gm, f"fp8_{i}_dense", fp8_op.dequantize(q8, s8, dtype), w_node, kwargs,
                                 kernels.dense_copy)
             new = add_call(gm.graph, torch.ops.devin.fp8_linear.default,
                            (node.args[0], qw_node, sc_node, c.n, kernels.fp8), kwargs, like=node)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        return c.fp_bytes if limit >= 0 else 0
+        return c.fp_bytes if limit >= 0 and kernels.fp8_long == "dense" else 0
 
     def _fold_awq(self, gm, i: int, c: Candidate, parts) -> None:
         """A linear kept in the model dtype reads AWQ's folded full-precision weight."""
@@ -278,15 +290,20 @@ def _add_dense_copy(gm: torch.fx.GraphModule, name: str, weight: torch.Tensor, w
 
 def _kernel_note(k: _Kernels, n8: int) -> str:
     """Which kernel serves which steps (the last part of the note)."""
-    if k.int4_dense and k.int4_max_tokens > 0:
-        mode = f"{k.int4} kernel for steps of <= {k.int4_max_tokens} tokens, dense {k.dense_copy.describe}copy above"
-    elif k.int4_dense:
+    above = {"dense": "dense {}copy above", "tiles": "dequantized tiles + dense GEMM above (no dense copy)"}
+    if k.int4_long and k.int4_max_tokens > 0:
+        mode = f"{k.int4} kernel for steps of <= {k.int4_max_tokens} tokens, " + above[k.int4_long].format(
+            k.dense_copy.describe)
+    elif k.int4_long == "dense":
         mode = "dense dequantized copy for every step (fp32: the CPU int4 kernel has no fast fp32 path)"
+    elif k.int4_long == "tiles":
+        mode = "dequantized tiles + dense GEMM for every step"
     else:
         mode = f"{k.int4} kernel for every step"
     if n8:
-        mode += (f"; FP8 {k.fp8} kernel" + (f" for steps of <= {k.fp8_max_tokens} tokens, dense copy above"
-                                             if k.fp8_dense else " for every step"))
+        mode += f"; FP8 {k.fp8} kernel" + (f" for steps of <= {k.fp8_max_tokens} tokens, "
+                                            + above[k.fp8_long].format(k.dense_copy.describe)
+                                            if k.fp8_long else " for every step")
     return mode
 
 

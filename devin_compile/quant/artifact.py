@@ -47,6 +47,7 @@ VERSION = 1
 def save(result: QuantResult, out_dir: str | os.PathLike) -> Path:
     from safetensors.torch import save_file
 
+    result.check_tensors("saving a quantized model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}

@@ -24,6 +24,9 @@ TARGET_KINDS = ("all", "keep_fp", "int4_fraction", "memory_bytes", "memory_fract
 INT4_KERNELS = ("auto", "cpu", "cpu_c", "reference", "triton")
 # Keys that only steer how an already quantized model is compiled; the rest fix the weights.
 RUNTIME_KEYS = ("target", "kernel", "max_int4_tokens", "dense_prefill", "progress", "tiers")
+# The runtime keys that say how this machine runs the weights: an artifact's saved values for them are
+# not inherited when it is loaded (the caller's, or this machine's defaults, apply).
+MACHINE_KEYS = ("kernel", "max_int4_tokens", "dense_prefill")
 # Precision tiers below the model dtype a linear may take (the model dtype is always a choice).
 TIERS = ("int4", "fp8")
 # The options that shape how one linear is rounded: what a ``per_linear`` override may set.
@@ -122,8 +125,12 @@ class QuantConfig:
     # calibration text: a file, a folder or a list of them (default: the set shipped in the package)
     data: Any = None
     kernel: str = "auto"  # auto: "cpu_c" on CPU (aten's "cpu" without a C compiler), "triton" on CUDA
-    max_int4_tokens: int | None = None  # steps above this many tokens use the dense copy
-    dense_prefill: bool = True  # keep a dense (dequantized) copy for steps above max_int4_tokens
+    max_int4_tokens: int | None = None  # steps above this many tokens leave the INT4 kernel for a dense GEMM
+    # steps above max_int4_tokens / max_fp8_tokens: True reads a dense (dequantized) copy of each quantized
+    # weight kept for the model's life (speed for memory); False dequantizes tiles of it into a reused buffer
+    # per step (the C kernels; aten's "cpu" kernel has no tiles and runs every step); None: False wherever
+    # the tiles exist, True for aten's "cpu" kernel (the fallback without a C compiler)
+    dense_prefill: bool | None = None
     # also quantize the output head (lm_head; untied from a tied embedding, which stays in the model dtype)
     lm_head: bool = False
     # calibration and the per-layer loops: True log lines (logger devin_compile.quant, INFO), False silent,
@@ -146,6 +153,8 @@ class QuantConfig:
         self.tiers = parse_tiers(self.tiers)
         one_of("quantization kernel", self.kernel, INT4_KERNELS)
         int_at_least("max_int4_tokens", self.max_int4_tokens, 0, optional=True)
+        if self.dense_prefill is not None:
+            flag("dense_prefill", self.dense_prefill)
         flag("lm_head", self.lm_head)
         check_progress(self.progress, "quantization progress")
         if self.data is not None and not isinstance(self.data, (str, os.PathLike)) and not (

@@ -2,6 +2,7 @@
 and :func:`sensitivity`, the ranking of linears that mixed precision and ``max_kl`` use."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +31,11 @@ class QLinear:
     fp8_scale: torch.Tensor | None = None  # fp32 [N]
     fp8_err: float | None = None
     fp8_loss_delta: float | None = None
+    dims: tuple[int, int] | None = None  # [N, K] once the tensors are released (QuantResult.without_tensors)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        return tuple(self.q.shape) if self.q is not None else self.dims
 
     def fp_weight(self, w: torch.Tensor) -> torch.Tensor:
         """The full-precision weight this linear must use when kept unquantized (AWQ folded
@@ -68,11 +70,28 @@ class QuantResult:
     notes: list[str] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # linears sharing one input (fused in the graph)
     head: str | None = None  # the output head's module name when it is quantized too (lm_head=True)
+    tensors_released: bool = False  # a report without weights (without_tensors): nothing to save or simulate
+
+    def without_tensors(self) -> "QuantResult":
+        """This result as a report: method, config, notes and every linear's shape, errors and estimated
+        losses, without its tensors (what ``optimize()`` keeps: the compiled program holds the weights)."""
+        tensor_fields = ("q", "scale", "minv", "in_scale", "row_scale", "fp8_q", "fp8_scale")
+        linears = {n: dataclasses.replace(ql, dims=ql.shape, **dict.fromkeys(tensor_fields))
+                   for n, ql in self.linears.items()}
+        return dataclasses.replace(self, linears=linears, overrides={}, tensors_released=True)
+
+    def check_tensors(self, what: str) -> None:
+        """``ValueError`` naming ``what`` when this result holds no tensors (:meth:`without_tensors`)."""
+        if self.tensors_released:
+            raise ValueError(f"{what} needs the quantized weights, and this QuantResult holds none: optimize() "
+                             "keeps quant_result without its tensors (the program holds the weights); pass "
+                             "keep_quant_result=True to optimize(), or quantize with quant.quantize()")
 
 
 def has_fp8(result: QuantResult) -> bool:
     """Whether every linear of ``result`` carries an FP8 weight (quantized with the fp8 tier)."""
-    return bool(result.linears) and all(ql.fp8_q is not None for ql in result.linears.values())
+    return bool(result.linears) and all(ql.fp8_q is not None or (result.tensors_released and ql.fp8_err is not None)
+                                        for ql in result.linears.values())
 
 
 def check_tiers(result: QuantResult, tiers: tuple[str, ...], where: str = "the quantized model") -> None:

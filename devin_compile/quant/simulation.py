@@ -15,6 +15,7 @@ def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None 
     their dequantized INT4 weights, those in ``fp8`` by their dequantized FP8 weights and the
     others by their full-precision weights, AWQ folds applied: what the compiled model computes,
     in eager PyTorch (for tests and evaluation)."""
+    result.check_tensors("simulate()")
     sim = copy.deepcopy(model)
     if result.head is not None:
         untie_head(sim)

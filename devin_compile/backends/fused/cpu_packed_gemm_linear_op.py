@@ -20,3 +20,8 @@ def tile_rows() -> int:
     """Rows per register tile of the kernel built here (``MR`` in ``cpu_packed_gemm.c``): 8 where
     ``-march=native`` enables AVX-512 (32 vector registers), else 2."""
     return 8 if "avx512f" in cpu_flags().split() else 2
+
+
+def bf16_pairs() -> bool:
+    """Whether the kernel built here takes bf16 weights (in pairs): ``-march=native`` enables AVX512-BF16."""
+    return "avx512_bf16" in cpu_flags().split()

@@ -2,8 +2,8 @@
 //
 // Built and loaded by backends/fp8/cpu_fp8_op.py (the system C++ compiler against torch's headers,
 // linked with cpu_fp8_linear.c), as cpu_int4_op.cpp is for devin::int4_linear. It handles exactly
-// the calls the C FP8 kernel serves (kernel "cpu_c", a step at or below max_fp8_tokens when a dense
-// copy exists, no bias, contiguous x in float32/bf16/fp16, uint8 codes in the pair layout of
+// the calls the C FP8 kernel serves (kernel "cpu_c", a step at or below max_fp8_tokens when there is
+// a limit, no bias, contiguous x in float32/bf16/fp16, uint8 codes in the pair layout of
 // cpu_fp8_linear.c, float32 [N] scales)
 // and redispatches every other call to the op's Python kernel (CompositeExplicitAutograd), which
 // implements all of them; both give the same result.
@@ -33,8 +33,9 @@ at::Tensor fp8_linear_cpu(const at::Tensor &x, const at::Tensor &qweight, const 
     const int64_t k = x.dim() ? x.size(-1) : 0;
     const int64_t rows = k ? x.numel() / k : 0;
     const int code = dtype_code(x.scalar_type());
-    const bool to_dense = dense.has_value() && max_fp8_tokens >= 0 && rows > max_fp8_tokens;
-    if (kernel != "cpu_c" || to_dense || bias.has_value() || code < 0 || k == 0 || !x.is_contiguous() ||
+    // a long step runs a dense GEMM (the dense copy, or dequantized tiles): the Python kernel's
+    const bool long_step = max_fp8_tokens >= 0 && rows > max_fp8_tokens;
+    if (kernel != "cpu_c" || long_step || bias.has_value() || code < 0 || k == 0 || !x.is_contiguous() ||
         qweight.dim() != 2 || qweight.size(0) != (out_features + 1) / 2 || qweight.size(1) != 2 * ((k + 63) / 64 * 64) ||
         qweight.scalar_type() != c10::ScalarType::Byte || !qweight.is_contiguous() || scale.dim() != 1 ||
         scale.size(0) != out_features || scale.scalar_type() != c10::ScalarType::Float || !scale.is_contiguous()) {

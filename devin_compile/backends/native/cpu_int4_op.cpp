@@ -4,7 +4,7 @@
 // with cpu_int4_linear.c). At batch-1 decode the op runs 120 times a step for SmolLM2, and a
 // Python kernel costs ~16 us of dispatch and argument handling per call on this CPU against
 // ~15-70 us of work; this kernel costs a few. It handles exactly the calls the C int4 kernel
-// serves (kernel "cpu_c", a step at or below max_int4_tokens when a dense copy exists, no bias,
+// serves (kernel "cpu_c", a step at or below max_int4_tokens when there is a limit, no bias,
 // contiguous x in float32/bf16/fp16) and redispatches every other call to the op's Python
 // kernel (CompositeExplicitAutograd), which implements all of them; both give the same result.
 #include <ATen/Parallel.h>
@@ -34,8 +34,9 @@ at::Tensor int4_linear_cpu(const at::Tensor &x, const at::Tensor &qweight, const
     const int64_t k = x.dim() ? x.size(-1) : 0;
     const int64_t rows = k ? x.numel() / k : 0;
     const int code = dtype_code(x.scalar_type());
-    const bool to_dense = dense.has_value() && max_int4_tokens >= 0 && rows > max_int4_tokens;
-    if (kernel != "cpu_c" || to_dense || bias.has_value() || code < 0 || k == 0 || !x.is_contiguous() ||
+    // a long step runs a dense GEMM (the dense copy, or dequantized tiles): the Python kernel's
+    const bool long_step = max_int4_tokens >= 0 && rows > max_int4_tokens;
+    if (kernel != "cpu_c" || long_step || bias.has_value() || code < 0 || k == 0 || !x.is_contiguous() ||
         scales.dim() != 4 || scales.scalar_type() != c10::ScalarType::Float || !scales.is_contiguous() ||
         qweight.scalar_type() != c10::ScalarType::Byte || !qweight.is_contiguous()) {
         static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("devin::int4_linear", "").typed<Signature>();

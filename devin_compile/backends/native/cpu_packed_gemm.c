@@ -15,8 +15,12 @@
 // devin_moe_gate_up:   buf[p] = [x[tok[p]] @ gate_eᵀ | x[tok[p]] @ up_eᵀ] (row p: 2F floats), pairs
 //                      sorted by expert (offs[e]..offs[e+1] are expert e's);
 // devin_moe_down:      y[pair[p]] = (h[p] @ down_eᵀ) * pair_w[pair[p]] (row: H floats);
-// devin_packed_gemm_linear: y[r] = x[r] @ Wᵀ (dense layout).
-// Each returns 0, or 1 for shapes the packing does not cover (a dimension not a multiple of 16).
+// devin_packed_gemm_linear: y[r] = x[r] @ Wᵀ (dense layout);
+// devin_packed_gemm_linear_bf16: the same for bf16 x and weights in the bf16 pair layout
+//                      [N/16][K/2][16][2] (row k2 holds columns 16j..16j+15 of k = 2k2 and 2k2 + 1, as
+//                      AVX512-BF16's vdpbf16ps pairs them), float32 y; products exact, float32 sums.
+// Each returns 0, 1 for shapes the packing does not cover (a dimension not a multiple of 16), or 2
+// where the build has no AVX512-BF16 (devin_packed_gemm_bf16_built() says which).
 #include <stdint.h>
 #include <string.h>
 
@@ -180,4 +184,65 @@ int devin_packed_gemm_linear(const float *x, int64_t x_stride, int64_t m, const 
         }
     }
     return 0;
+}
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+// R rows (R <= MR) of one 16-column block over bf16 pairs: acc[r] += (x[r][2k2], x[r][2k2+1]) · w pair; at
+// one or two rows four accumulator chains a row (vdpbf16ps's latency would bound one chain).
+INLINE void bf16_tile(const int R, const uint16_t *x, int64_t x_stride, const uint16_t *w, int k, float *y,
+                      int64_t y_stride, int64_t r0, int j) {
+    const int NA = R <= 2 ? 4 : 1, k2n = k / 2;
+    __m512 acc[4 * MR];
+    for (int i = 0; i < NA * R; i++) acc[i] = _mm512_setzero_ps();
+    const uint32_t *xr[MR];
+    for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(x + (r0 + r) * x_stride);
+    int k2 = 0;
+    for (; k2 + NA <= k2n; k2 += NA)
+        for (int a = 0; a < NA; a++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + 32 * (int64_t)(k2 + a));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                acc[r * NA + a] = _mm512_dpbf16_ps(acc[r * NA + a], (__m512bh)_mm512_set1_epi32((int)xr[r][k2 + a]), wv);
+        }
+    for (; k2 < k2n; k2++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + 32 * (int64_t)k2);
+        for (int r = 0; r < R; r++)
+            acc[r * NA] = _mm512_dpbf16_ps(acc[r * NA], (__m512bh)_mm512_set1_epi32((int)xr[r][k2]), wv);
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 s = acc[r * NA];
+        for (int a = 1; a < NA; a++) s = _mm512_add_ps(s, acc[r * NA + a]);
+        _mm512_storeu_ps(y + (r0 + r) * y_stride + 16 * j, s);
+    }
+}
+#endif
+
+int devin_packed_gemm_bf16_built(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int devin_packed_gemm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *w, int n, int k,
+                                  float *y, int64_t y_stride, int num_threads) {
+#ifdef __AVX512BF16__
+    if (n <= 0 || k <= 0 || n % 16 || k % 2) return 1;
+    const int nb = n / 16;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && nb > 1)
+    for (int j = 0; j < nb; j++) {
+        const uint16_t *wp = w + (int64_t)j * k * 16;
+        for (int64_t r = 0; r < m; r += MR) {
+            const int64_t left = m - r;
+            DISPATCH(bf16_tile, left, x, x_stride, wp, k, y, y_stride, r, j)
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)m, (void)w, (void)n, (void)k, (void)y, (void)y_stride, (void)num_threads;
+    return 2;
+#endif
 }
