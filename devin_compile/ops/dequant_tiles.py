@@ -8,7 +8,7 @@ weight per long step, small against the GEMM at prefill lengths (``bench/memory.
 
 Which GEMM: float32 activations on a CPU where devin's packed GEMM tile holds 8 rows (AVX-512) run
 ``devin::packed_gemm_linear`` over tiles written in its ``[blocks, K, 16]`` layout (as fast as
-oneDNN's prepacked GEMM there, where a plain ``torch.mm`` over an unpacked weight is ~1.4x slower);
+oneDNN's prepacked GEMM there, where a plain ``torch.mm`` over an unpacked weight is 1.2-1.4x slower);
 otherwise the tile is the weight transposed, ``[K, columns]``, and ``torch.mm`` runs it: in the
 activation dtype where oneDNN runs it natively, else in float32 (bf16/fp16 on CPUs without native
 half-precision GEMMs, as ``upcast_linear`` does for dense weights).

@@ -35,7 +35,8 @@ _lib.define("packed_embedding(Tensor weight, Tensor ids) -> Tensor")
 
 BLOCK = 16
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] → [⌈N/16⌉, K, 16] (bf16: [⌈N/16⌉, K/2, 16, 2]), N padded with zero rows to whole blocks; K even."""
+    """[N, K] → [⌈N/16⌉, K, 16] (bf16: [⌈N/16⌉, K/2, 16, 2]), N padded with zero rows to whole blocks;
+    K must be even."""
     n, k = weight.shape
     if k % 2:
         raise ValueError(f"devin::packed_gemm_linear packs [N, K] weights with K even; got {tuple(weight.shape)}")

@@ -38,8 +38,9 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    the weight dequantized per step (:mod:`~devin_compile.ops.dequant_tiles`; no dense copy kept), or,
    with ``dense_prefill=True`` (and by default for aten's "cpu" INT4 kernel, which has no tiles), over a
    dequantized dense copy (:func:`~devin_compile.ops.dense_copy.dense_copy_policy`: oneDNN-prepacked on
-   CPU; on CPUs without native bf16/fp16 GEMMs run by :func:`~devin_compile.ops.upcast_linear.upcast_linear`). Kept linears of an AWQ result get their folded
-   full-precision weight; AWQ's scaled norm weights replace the originals.
+   CPU; on CPUs without native bf16/fp16 GEMMs run by :func:`~devin_compile.ops.upcast_linear.upcast_linear`).
+   Kept linears of an AWQ result get their folded full-precision weight; AWQ's scaled norm weights
+   replace the originals.
 
 The report's note gives the counts, bytes and kernel; ``details`` is the per-layer table
 (precision, bits, group size, sensitivity, bytes), also handed back in ``ctx.outputs.precision_table``
@@ -188,7 +189,7 @@ class AssignPrecision(Pass):
         else:
             limit = int4_op.max_int4_tokens(kernel, dtype)
         fp8_kernel = fp8_op.default_kernel(device)
-        fp8_long = long_steps(fp8_kernel, tiles, cfg.dense_prefill) if fp8_kernel == "cpu_c" else ""
+        fp8_long = long_steps(fp8_kernel, tiles, cfg.dense_prefill)
         return _Kernels(kernel, limit, int4_long, fp8_kernel, fp8_op.max_fp8_tokens(dtype) if fp8_long else -1,
                         fp8_long, dense_copy_policy(device, dtype))
 

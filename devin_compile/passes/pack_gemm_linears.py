@@ -1,4 +1,4 @@
-"""pack_gemm_linears (CPU, float32; bf16 tied heads): linears → ``devin::packed_gemm_linear`` over weights packed once.
+"""pack_gemm_linears (CPU, float32; bf16 tied heads): linears → ``devin::packed_gemm_linear``, weights packed once.
 
 Pattern → replacement::
 
