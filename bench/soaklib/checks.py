@@ -120,7 +120,6 @@ def summary(plan: list[Item], run: SoakRun) -> dict:
                     "growth_pct": round(100 * (run.rss_end / run.rss_after_warmup - 1), 2),
                     "series": [(t, mib(b)) for t, b in run.rss_series]},
         "kv_blocks_used_at_end": m["devin_kv_blocks_used"], "kv_blocks_total": m["devin_kv_blocks_total"],
-        "kv_tiers": {k.split("{", 1)[0].removeprefix("devin_kv_tier_") + k[k.index("{"):]: v
-                     for k, v in m.items() if k.startswith("devin_kv_tier_")},
+        "kv_tiers": {k.removeprefix("devin_kv_tier_"): v for k, v in m.items() if k.startswith("devin_kv_tier_")},
         "faults": run.faults, "wall_s": round(run.wall_s, 1), "warmup_s": round(run.warmup_s, 1),
     }
