@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import types
 import warnings
 from typing import Any, Iterator
@@ -80,15 +81,16 @@ _SKIP = (type, types.ModuleType, types.BuiltinFunctionType, types.MethodWrapperT
 
 def held_tensors(root: Any) -> dict[tuple, list[torch.Tensor]]:
     """The real tensors reachable from ``root`` through object references (``gc.get_referents``; fake
-    and meta tensors left out; modules and classes not followed, closures are), by storage: each key's
-    list holds the tensor objects that read that storage. Opaque tensors (oneDNN) key by object."""
+    and meta tensors left out; modules, classes and modules' global namespaces not followed — a
+    function's globals lead to everything its module can reach —, closures are), by storage: each
+    key's list holds the tensor objects that read that storage. Opaque tensors (oneDNN) key by object."""
     with warnings.catch_warnings():  # (reaching deprecated torch attributes warns)
         warnings.simplefilter("ignore")
         return _walk(root)
 
 
 def _walk(root: Any) -> dict[tuple, list[torch.Tensor]]:
-    seen: set[int] = set()
+    seen: set[int] = {id(vars(m)) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)}
     stack = [root]
     found: dict[tuple, list[torch.Tensor]] = {}
     while stack:
