@@ -19,7 +19,7 @@ from devin_compile.cli import common, main
 from devin_compile.quant import corpus
 from serve_model import REPLAY, smollm2_tokenizer, tiny_chat_folder, tiny_chat_opt
 from test_cli import _tiny_llama
-from test_serve_cli import read_lines_until
+from test_serve_cli import keep_optimized, read_lines_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,18 +46,6 @@ def no_load(monkeypatch):
     monkeypatch.setattr(common, "load", boom)
 
 
-def _keep_opt(monkeypatch) -> dict:
-    seen = {}
-    real = common.optimize
-
-    def keep(*a, **k):
-        seen["opt"] = real(*a, **k)
-        return seen["opt"]
-
-    monkeypatch.setattr(common, "optimize", keep)
-    return seen
-
-
 def _error_line(capsys, loaded: bool = False) -> str:
     """The one line the CLI wrote to stderr (``loaded``: after the bars transformers draws loading weights)."""
     err = capsys.readouterr().err.strip()
@@ -70,7 +58,7 @@ def _error_line(capsys, loaded: bool = False) -> str:
 # ---------------------------------------------------------------- the artifact is what runs
 def test_run_quantized_prints_the_table_and_runs_the_artifact(made, monkeypatch, capsys):
     folder, q = made
-    seen = _keep_opt(monkeypatch)
+    seen = keep_optimized(monkeypatch)
     capsys.readouterr()
     assert main(["run", "--model", str(folder), "--quantized", str(q), "--no-bench", "--max-new-tokens", "8",
                  "--prompt", "Tell me"]) == 0
@@ -94,7 +82,7 @@ def test_chat_quantized(made, monkeypatch, capsys):
     import io
 
     folder, q = made
-    seen = _keep_opt(monkeypatch)
+    seen = keep_optimized(monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me 日\n/exit\n"))
     assert main(["chat", "--model", str(folder), "--quantized", str(q), "--num-kv-blocks", "64",
                  "--max-new-tokens", "6"]) == 0

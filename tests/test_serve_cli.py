@@ -70,7 +70,8 @@ def test_serve_process_answers_and_shuts_down_gracefully(folder):
             proc.wait()
 
 
-def test_chat_keeps_history_and_streams(folder, monkeypatch, capsys):
+def keep_optimized(monkeypatch) -> dict:
+    """``{"opt": ...}`` filled with the OptimizedModel the CLI builds next (common.optimize wrapped)."""
     seen = {}
     real = common.optimize
 
@@ -79,6 +80,11 @@ def test_chat_keeps_history_and_streams(folder, monkeypatch, capsys):
         return seen["opt"]
 
     monkeypatch.setattr(common, "optimize", keep)
+    return seen
+
+
+def test_chat_keeps_history_and_streams(folder, monkeypatch, capsys):
+    seen = keep_optimized(monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me 日\nAnd more?\n/reset\nHi\n/exit\nnever read\n"))
     assert main(["chat", "--model", str(folder), "--num-kv-blocks", "64", "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr().out
