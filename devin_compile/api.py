@@ -6,12 +6,14 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .backends.attention.registry import get_backend
 from .capture import ModelInfo, capture, model_info
+from .compile_cache import Compiled, cached_compile, folder_digest, key_parts, options_json
 from .config import OptimizeConfig
 from .config.tensor_parallel import check_model as check_tensor_parallel_model
 from .passes import default_passes
@@ -51,7 +53,9 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
         options = {**options, "kv_prune": active_kv_prune()}
     config = OptimizeConfig.from_kwargs(options)
     t0 = time.perf_counter()
-    info = model_info(model)  # fail fast on unsupported models, before any copy
+    # Fail fast on unsupported models, before any copy; the mask probe (one forward) waits for a miss
+    # when the compile cache may hold the program (whose ModelInfo has the masks' facts).
+    info = model_info(model, probe_masks=_cache_root(config, None)[1] is not None)
     group, config = _rank_group(model, info, config)  # tensor_parallel > 1: checked before any weight moves
     offload_roles = set(check_offload_layers(model, list(config.offload_layers)).values())
     callers = model
@@ -59,26 +63,13 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
         model = copy.deepcopy(model).to(config.dtype)
     if config.device is not None and next(model.parameters()).device != torch.device(config.device):
         model = model.to(config.device)
-    quant = _resolve_quantization(model, tokenizer, config)
-    t_capture = time.perf_counter()
-    log.info("capturing %s with torch.export", type(model).__name__)
-    gm, info = capture(model, info=info, stack_traces=config.dump_dir is not None)
-    log.info("captured %s in %.1f s", type(model).__name__, time.perf_counter() - t_capture)
-    if info.max_step_tokens is not None:  # the graph holds only up to this many tokens a step
-        config = config.limited_to_step_tokens(info.max_step_tokens)
-    if config.scheduler.max_model_len is not None:
-        info.max_model_len = config.scheduler.max_model_len
-    program = Program({"main": gm})
-    ctx = PassContext(info=info, config=config, scratch_step=scratch_steps(info))
-    probe = make_probe(info, info.device) if config.verify else None
-    passes = default_passes(config, offload_roles, quant, group.spec if group is not None else None)
-    report = PassManager(passes, dump_dir=config.dump_dir, probe=probe).run(program, ctx)
+    compiled, config = _compile(model, tokenizer, info, config, offload_roles, group)
+    program, info = compiled.program, compiled.info
     if model is callers and group is None:  # (a converted copy dies with this call: the program keeps what it reads)
         own_weights(program, model)
     drafts = DraftBuilder(model, tokenizer, vocab_size=info.vocab_size, dtype=info.dtype, compile=optimize)
     proposer = drafts(config.speculative) if config.speculative is not None else None
-    identity = (ModelIdentity.of(model, None if quant is None else [quant[0].fingerprint, repr(quant[1])])
-                if config.kv_cache_tiers else None)
+    identity = ModelIdentity.of(model, compiled.quant_identity) if config.kv_cache_tiers else None
     if group is not None:  # this rank's heads; a KV pool of the same number of blocks on every rank
         info = rank_info(info, group.spec)
         config = agree_on_blocks(group, info, config)
@@ -88,10 +79,70 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
              ", kernel warm-up" if config.warmup else "", time.perf_counter() - t0)
     if group is not None and group.rank == 0:
         engine.runner = BroadcastRunner(engine.runner, group)
-    return OptimizedModel(engine, info, config, report, tokenizer, time.perf_counter() - t0, rank_group=group,
-                          hf_config=getattr(model, "config", None), drafts=drafts,
-                          quant_result=_kept(quant, config),
-                          precision_table=ctx.outputs.precision_table, quant_note=ctx.outputs.precision_note)
+    return OptimizedModel(engine, info, config, compiled.report, tokenizer, time.perf_counter() - t0,
+                          rank_group=group, hf_config=getattr(model, "config", None), drafts=drafts,
+                          quant_result=compiled.quant_result, precision_table=compiled.outputs.precision_table,
+                          quant_note=compiled.outputs.precision_note)
+
+
+def _compile(model: torch.nn.Module, tokenizer, info: ModelInfo, config: OptimizeConfig, offload_roles: set,
+             group: RankGroup | None) -> tuple[Compiled, OptimizeConfig]:
+    """Capture and passes, or their result read from the compile cache; ``config`` as the program bounds it."""
+    def build() -> Compiled:
+        return _capture_and_compile(model, tokenizer, info, config, offload_roles, group)
+
+    t0 = time.perf_counter()
+    root, why_not = _cache_root(config, group)
+    if why_not is not None:
+        compiled, status = build(), why_not
+    else:
+        device = next(model.parameters()).device
+        artifact = {"quantized_artifact": folder_digest(config.quantized)} if config.quantized is not None else {}
+        parts = key_parts(model, device, options_json(config, artifact))
+        compiled, status = cached_compile(model, device, parts, build, root=root)
+    log.info("compiled %s in %.1f s (compile cache: %s)", type(model).__name__, time.perf_counter() - t0, status)
+    return compiled, _bounded(config, compiled.info)
+
+
+def _cache_root(config: OptimizeConfig, group: RankGroup | None) -> tuple[Path | None, str | None]:
+    """``(root, None)`` when the compile cache is used (root None: the default one), else ``(None, why not)``."""
+    if config.compile_cache is False or (config.compile_cache is True and os.environ.get("DEVIN_COMPILE_CACHE_OFF")
+                                          not in (None, "", "0")):
+        return None, "off"
+    for on, why in ((group is not None or config.tensor_parallel > 1, "tensor parallel"), (config.dump_dir is not None, "dumping passes"),
+                    (config.keep_quant_result, "keep_quant_result")):
+        if on:
+            return None, f"not used with {why}"
+    return (None if config.compile_cache is True else Path(config.compile_cache)), None
+
+
+def _bounded(config: OptimizeConfig, info: ModelInfo) -> OptimizeConfig:
+    """``config`` as the captured program bounds it: steps of at most ``max_step_tokens`` tokens."""
+    if info.max_step_tokens is not None:  # the graph holds only up to this many tokens a step
+        config = config.limited_to_step_tokens(info.max_step_tokens)
+    return config
+
+
+def _capture_and_compile(model: torch.nn.Module, tokenizer, info: ModelInfo, config: OptimizeConfig,
+                         offload_roles: set, group: RankGroup | None) -> Compiled:
+    """Quantization (when asked), capture and the pass pipeline: the compiled program."""
+    if not info.masks_probed:  # (see optimize())
+        info = model_info(model)
+    quant = _resolve_quantization(model, tokenizer, config)
+    t_capture = time.perf_counter()
+    log.info("capturing %s with torch.export", type(model).__name__)
+    gm, info = capture(model, info=info, stack_traces=config.dump_dir is not None)
+    log.info("captured %s in %.1f s", type(model).__name__, time.perf_counter() - t_capture)
+    config = _bounded(config, info)
+    if config.scheduler.max_model_len is not None:
+        info.max_model_len = config.scheduler.max_model_len
+    program = Program({"main": gm})
+    ctx = PassContext(info=info, config=config, scratch_step=scratch_steps(info))
+    probe = make_probe(info, info.device) if config.verify else None
+    passes = default_passes(config, offload_roles, quant, group.spec if group is not None else None)
+    report = PassManager(passes, dump_dir=config.dump_dir, probe=probe).run(program, ctx)
+    return Compiled(program, info, report, ctx.outputs, quant_result=_kept(quant, config),
+                    quant_identity=None if quant is None else [quant[0].fingerprint, repr(quant[1])])
 
 
 def _rank_group(model: torch.nn.Module, info: ModelInfo,

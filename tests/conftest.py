@@ -33,6 +33,11 @@ if importlib.util.find_spec("triton") is not None:
     if _prev_interpret is None:
         del os.environ["TRITON_INTERPRET"]
 
+# The compile cache stays off in the suite (and the processes it starts): a test that patches a pass or
+# the capture must see it run, not a program an earlier test stored. tests/test_compile_cache.py turns
+# it on with compile_cache=<its own folder>.
+os.environ.setdefault("DEVIN_COMPILE_CACHE_OFF", "1")
+
 import pytest  # noqa: E402
 import torch
 import transformers

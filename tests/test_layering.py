@@ -19,7 +19,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("step", "graph_utils", "compile_lock", "validation", "text"),
     ("backends",),
     ("ops",),
-    ("config", "capture", "pipeline", "weights", "quant", "cache"),
+    ("config", "capture", "pipeline", "weights", "quant", "cache", "compile_cache"),
     ("passes",),
     ("runtime",),
     ("api", "optimized_model", "compile_backend", "dynamic_tokens", "offload", "benchmarking", "models", "serve", ""),

@@ -35,6 +35,8 @@ class ModelInfo:
     # The most tokens one step may pack, when the captured graph holds only up to a bound (a branch the
     # model takes only for short inputs, e.g. XGLM's sinusoidal table; see capture.export); None: any.
     max_step_tokens: int | None = None
+    # False when model_info(probe_masks=False) left the mask probe out (sliding_windows/attention_chunks empty).
+    masks_probed: bool = True
 
     @property
     def kv_cache_layout(self) -> dict:
@@ -90,8 +92,12 @@ def _mla_dims(text_cfg) -> tuple[int, int] | None:
     return None
 
 
-def model_info(model: torch.nn.Module) -> ModelInfo:
-    """Read the facts the compiler needs from an HF model, or say why it is unsupported."""
+def model_info(model: torch.nn.Module, *, probe_masks: bool = True) -> ModelInfo:
+    """Read the facts the compiler needs from an HF model, or say why it is unsupported.
+
+    ``probe_masks=False`` leaves out the one probe forward that reads each layer's mask
+    (``sliding_windows`` and ``attention_chunks`` stay empty): for a caller that only needs the
+    config's facts now (optimize() before it knows whether the compile cache holds the program)."""
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(model, "forward"):
         raise UnsupportedModelError(
@@ -117,7 +123,7 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
     kv_heads = _module_kv_heads(attn, heads) or getattr(text_cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
     param = next(model.parameters())
-    shapes = {"m." + n: shape for n, shape in mask_shapes(model, text_cfg, attn).items()}
+    shapes = {"m." + n: shape for n, shape in mask_shapes(model, text_cfg, attn).items()} if probe_masks else {}
     return ModelInfo(
         model_type=getattr(cfg, "model_type", type(model).__name__),
         num_layers=text_cfg.num_hidden_layers,
@@ -134,4 +140,5 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
         sliding_windows={n: shape.window for n, shape in shapes.items()},
         attention_chunks={n: shape.chunk for n, shape in shapes.items() if shape.chunk > 0},
         mla=_mla_dims(text_cfg),
+        masks_probed=probe_masks,
     )

@@ -1,4 +1,4 @@
-"""The ``devin-compile`` command line: one module per subcommand (run, serve, chat, dump, quantize).
+"""The ``devin-compile`` command line: one module per subcommand (run, serve, chat, dump, quantize, cache).
 
 Each subcommand module has ``HELP`` (one line), ``DESCRIPTION`` (its --help text),
 ``add_arguments(parser)``, which also sets the function that runs it, and that function.
@@ -13,13 +13,13 @@ import argparse
 import logging
 import sys
 
-from . import chat, dump, quantize, run, serve
+from . import cache, chat, dump, quantize, run, serve
 from .logs import show_library_log
 
 DESCRIPTION = "Compile a Hugging Face causal LM into a paged-KV engine and use it."
 EPILOG = 'Run "devin-compile COMMAND --help" for the options of a command.'
 
-COMMANDS = {"run": run, "serve": serve, "chat": chat, "dump": dump, "quantize": quantize}
+COMMANDS = {"run": run, "serve": serve, "chat": chat, "dump": dump, "quantize": quantize, "cache": cache}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

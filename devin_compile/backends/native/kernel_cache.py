@@ -48,9 +48,14 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def cache_dir() -> Path:
+def cache_root() -> Path:
+    """The root of devin-compile's on-disk caches: ``$DEVIN_COMPILE_CACHE``, else ``~/.cache/devin_compile``."""
     root = os.environ.get("DEVIN_COMPILE_CACHE")
-    return Path(root) / "kernels" if root else Path.home() / ".cache" / "devin_compile" / "kernels"
+    return Path(root) if root else Path.home() / ".cache" / "devin_compile"
+
+
+def cache_dir() -> Path:
+    return cache_root() / "kernels"
 
 
 def entry_path(stem: str, key_parts: list[str]) -> Path:
@@ -101,18 +106,19 @@ def _install(target: Path, commands: Commands) -> None:
         os.replace(checksum, _checksum_path(target))
 
 
-def _lock(target: Path, what: str) -> FileLock:
-    """The entry's file lock, acquired; says so (INFO) when another process holds it."""
+def hold_lock(target: Path, what: str) -> FileLock:
+    """The entry's file lock (``<target>.lock``), acquired; says so (INFO) when another process
+    holds it, and gives up with a ``RuntimeError`` after :data:`LOCK_TIMEOUT_S`."""
     lock = FileLock(str(target) + ".lock")
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        log.info("waiting for another process to finish building %s (lock %s)", what, lock.lock_file)
+        log.info("waiting for another process to finish writing %s (lock %s)", what, lock.lock_file)
         try:
             lock.acquire(timeout=LOCK_TIMEOUT_S)
         except Timeout:
             raise RuntimeError(f"another process has held {lock.lock_file} for {LOCK_TIMEOUT_S:.0f} s while "
-                               f"building {what}; end it, or point DEVIN_COMPILE_CACHE elsewhere") from None
+                               f"writing {what}; end it, or point DEVIN_COMPILE_CACHE elsewhere") from None
     return lock
 
 
@@ -124,7 +130,7 @@ def cached_build(what: str, stem: str, key_parts: list[str], commands: Commands)
     target = entry_path(stem, key_parts)
     if damage(target) is None:
         return target
-    lock = _lock(target, what)
+    lock = hold_lock(target, what)
     try:
         problem = damage(target)  # another process may have built it while this one waited
         if problem is None:
