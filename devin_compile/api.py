@@ -99,7 +99,7 @@ def _compile(model: torch.nn.Module, tokenizer, info: ModelInfo, config: Optimiz
         device = next(model.parameters()).device
         artifact = {"quantized_artifact": folder_digest(config.quantized)} if config.quantized is not None else {}
         parts = key_parts(model, device, options_json(config, artifact))
-        compiled, status = cached_compile(model, device, parts, build, root=root)
+        compiled, status = cached_compile(model, parts, build, root=root)
     log.info("compiled %s in %.1f s (compile cache: %s)", type(model).__name__, time.perf_counter() - t0, status)
     return compiled, _bounded(config, compiled.info)
 

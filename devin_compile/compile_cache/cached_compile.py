@@ -28,14 +28,14 @@ _UNREADABLE = (OSError, EOFError, pickle.UnpicklingError, RuntimeError, Attribut
                TypeError, ImportError, IndexError)
 
 
-def _read(store: ProgramStore, key: str, model: torch.nn.Module, device: torch.device) -> Compiled | None:
+def _read(store: ProgramStore, key: str, model: torch.nn.Module) -> Compiled | None:
     """The entry ``key`` loaded, or None when it is absent, damaged or unreadable (damaged or unreadable:
     removed, with one warning)."""
     folder = store.read(key)
     problem = None
     if folder is not None:
         try:
-            return load(folder, model, device)
+            return load(folder, model)
         except _UNREADABLE as e:
             problem = f"it could not be read back ({type(e).__name__}: {e})"
     else:
@@ -47,18 +47,18 @@ def _read(store: ProgramStore, key: str, model: torch.nn.Module, device: torch.d
     return None
 
 
-def cached_compile(model: torch.nn.Module, device: torch.device, parts: KeyParts,
+def cached_compile(model: torch.nn.Module, parts: KeyParts,
                    build: Callable[[], Compiled], root: Path | None = None) -> tuple[Compiled, str]:
     """``(compiled, status)``: the entry for ``parts`` read back, or ``build()`` run and stored."""
     store = ProgramStore(root)
     key = parts.digest()
     had_entry = store.path(key).exists()
-    found = _read(store, key, model, device)
+    found = _read(store, key, model)
     if found is not None:
         return found, "hit"
     with store.lock(key):
         if not had_entry:  # another process may have written it while this one waited for the lock
-            found = _read(store, key, model, device)
+            found = _read(store, key, model)
             if found is not None:
                 return found, "hit"
         compiled = build()

@@ -12,7 +12,8 @@ report and the passes' outputs. Tensors are kept out of the pickle (persistent i
 - ``("own", i)``: a strided tensor the passes made (packed, fused, quantized), item ``i`` of
   ``tensors.pt`` (``torch.save``, which keeps views of one storage sharing it);
 - ``("onednn", i, batch_hint)``: a oneDNN prepacked weight (an opaque layout torch cannot save):
-  its dense values are item ``i``, prepacked again on load with the hint it was made with.
+  its dense values are item ``i``, prepacked again on load with the hint it was made with
+  (each own tensor also names the device it was compiled for: offloaded layers stay on the CPU).
 
 A program this cannot write (a tensor of another kind, a compiled callable from
 ``compile_decode``, an object pickle refuses) raises :class:`NotCacheable` naming it; the caller
@@ -92,12 +93,12 @@ class _Writer(pickle.Pickler):
             hint = getattr(obj, PREPACK_HINT, None)
             if not obj.is_mkldnn or hint is None:
                 raise NotCacheable(f"a tensor with layout {obj.layout} that is not a known prepacked weight")
-            return ("onednn", self._own(obj), hint)
+            return ("onednn", self._own(obj), hint, str(obj.device))
         found = self.by_storage.get((obj.device, obj.untyped_storage().data_ptr(), obj.dtype))
         if found is not None:
             name, base = found
             return ("model", name, obj.storage_offset() - base.storage_offset(), tuple(obj.shape), obj.stride())
-        return ("own", self._own(obj))
+        return ("own", self._own(obj), str(obj.device))
 
 
 class _Reader(pickle.Unpickler):
@@ -106,12 +107,18 @@ class _Reader(pickle.Unpickler):
         self.live = model.state_dict(keep_vars=True)
         self.own = own
 
+    def _on(self, i: int, device: str) -> torch.Tensor:
+        """Item ``i`` on the device it was compiled for (offloaded layers stay on the CPU)."""
+        if str(self.own[i].device) != device:
+            self.own[i] = self.own[i].to(device)
+        return self.own[i]
+
     def persistent_load(self, pid: tuple) -> torch.Tensor:
         kind = pid[0]
         if kind == "own":
-            return self.own[pid[1]]
+            return self._on(pid[1], pid[2])
         if kind == "onednn":
-            return prepack_weight(self.own[pid[1]], pid[2])
+            return prepack_weight(self._on(pid[1], pid[3]), pid[2])
         if kind == "model":
             _, name, offset, size, stride = pid
             base = self.live[name]
@@ -140,12 +147,12 @@ def save(folder: Path, compiled: Compiled, model: torch.nn.Module) -> None:
     torch.save([t.to("cpu") for t in writer.own], folder / TENSORS_FILE)
 
 
-def load(folder: Path, model: torch.nn.Module, device: torch.device) -> Compiled:
+def load(folder: Path, model: torch.nn.Module) -> Compiled:
     """Read the entry in ``folder`` back, its model references bound to ``model``'s live tensors and
-    its own tensors moved to ``device``."""
+    its own tensors on the devices they were compiled for."""
     # Memory-mapped (copy-on-write): pages are read as the first steps touch them, and processes
     # that load one entry share them.
-    own = torch.load(folder / TENSORS_FILE, map_location=device, weights_only=True, mmap=device.type == "cpu")
+    own = torch.load(folder / TENSORS_FILE, map_location="cpu", weights_only=True, mmap=True)
     with open(folder / PROGRAM_FILE, "rb") as f, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # (pytree's LeafSpec notice while re-tracing the code)
         state = _Reader(f, model, own).load()
