@@ -115,7 +115,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "startup.json"))
     ap.add_argument("--only", choices=["optimize", "serve"], default=None)
     args = ap.parse_args()
-    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor() or platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    result = {"machine": f"{cpu} ({', '.join(isa)}), {os.cpu_count()} CPUs",
               "load_before": os.getloadavg()}
     for name, fn in (("optimize", _optimize), ("serve", _serve)):
         if args.only in (None, name):
