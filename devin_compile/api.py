@@ -52,6 +52,8 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     config = OptimizeConfig.from_kwargs(options)
     t0 = time.perf_counter()
     info = model_info(model)  # fail fast on unsupported models, before any copy
+    if info.has_recurrent_state:
+        _check_recurrent_options(config)
     group, config = _rank_group(model, info, config)  # tensor_parallel > 1: checked before any weight moves
     offload_roles = set(check_offload_layers(model, list(config.offload_layers)).values())
     callers = model
@@ -111,6 +113,21 @@ def _rank_group(model: torch.nn.Module, info: ModelInfo,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return init_rank_group(tp, device), config
+
+
+def _check_recurrent_options(config: OptimizeConfig) -> None:
+    """Options a model with recurrent layers (Mamba2 mixers: a state pool beside the KV cache) cannot take, each
+    refused by name before any work (prefix caching, on by default, is turned off by ``build_engine``)."""
+    refused = [(config.speculative is not None, "speculative=", "the state would need rolling back after "
+                "rejected proposals, and no snapshot is kept"),
+               (config.kv_prune is not None, "kv_prune=", "pruning K/V does not prune a recurrent state"),
+               (bool(config.kv_cache_tiers), "kv_cache_tiers=", "KV blocks do not hold the recurrent state"),
+               (config.compile_decode, "compile_decode=True", "the ahead-compiled decode steps carry no state slots"),
+               (config.tensor_parallel > 1, "tensor_parallel > 1", "the mixers are not split over ranks")]
+    for on, what, why in refused:
+        if on:
+            raise ValueError(f"{what} is not supported for models with recurrent layers (Mamba2 mixers): {why}; "
+                             f"drop {what.split('=')[0].split(' ')[0]}")
 
 
 def _kept(quant, config: OptimizeConfig):

@@ -83,6 +83,11 @@ _MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_di
             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
             n_group=1, topk_group=1, num_key_value_heads=4)
 
+# Mamba2-style hybrid: layer 0 a Mamba2 mixer (2 groups of 2 heads of 16, state 16, conv 4), layer 1 attention;
+# chunk 8 so prompts span several scan chunks.
+_BAMBA = dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+              mamba_d_conv=4, mamba_chunk_size=8, mamba_expand=1)
+
 # Families that compile and must match HF. Comments name what each one exercises.
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     # --- the core six: full battery, both attention implementations
@@ -134,6 +139,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # --- attention spelled another way: query scaled before bmm over [B·H, T, D] views, the mask clamped
     # with max(s, finfo.min), sinusoidal positions (whose table growth caps a step at 512 tokens)
     _f("xglm", gqa=False, impls=("eager",), config=dict(ffn_dim=128)),
+    # --- recurrent state (issue 42 part 4): Mamba2 mixers as devin::mamba2_scan over a state pool
+    _f("bamba", windows=(-1,), chunks=(-1,), config=_BAMBA),  # Mamba2 mixer + attention (IBM Bamba)
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:

@@ -8,6 +8,7 @@ import torch
 
 from .errors import UnsupportedModelError
 from .mask_probe import mask_shapes
+from .recurrent import recurrent_layers
 
 
 @dataclass
@@ -35,6 +36,15 @@ class ModelInfo:
     # The most tokens one step may pack, when the captured graph holds only up to a bound (a branch the
     # model takes only for short inputs, e.g. XGLM's sinusoidal table; see capture.export); None: any.
     max_step_tokens: int | None = None
+    # Recurrent layers (Mamba2-style mixers, capture/recurrent.py), in the order of devin::mamba2_scan's
+    # ``layer``: their module paths and each one's state shapes (per sequence, without the slot dimension).
+    # With them, ``num_layers`` counts the attention layers only (the paged KV cache's layers).
+    recurrent_modules: list[str] = field(default_factory=list)
+    recurrent_states: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return bool(self.recurrent_modules)
 
     @property
     def kv_cache_layout(self) -> dict:
@@ -114,13 +124,14 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
         raise UnsupportedModelError(f"{type(model).__name__}'s config lacks {missing}; not a decoder LM config")
     heads = text_cfg.num_attention_heads
     attn = _attention_modules(model)
+    rec_modules, rec_states = recurrent_layers(model)
     kv_heads = _module_kv_heads(attn, heads) or getattr(text_cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
     param = next(model.parameters())
     shapes = {"m." + n: shape for n, shape in mask_shapes(model, text_cfg, attn).items()}
     return ModelInfo(
         model_type=getattr(cfg, "model_type", type(model).__name__),
-        num_layers=text_cfg.num_hidden_layers,
+        num_layers=len(attn) if rec_modules else text_cfg.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -134,4 +145,6 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
         sliding_windows={n: shape.window for n, shape in shapes.items()},
         attention_chunks={n: shape.chunk for n, shape in shapes.items() if shape.chunk > 0},
         mla=_mla_dims(text_cfg),
+        recurrent_modules=rec_modules,
+        recurrent_states=rec_states,
     )

@@ -1,0 +1,155 @@
+"""Recurrent mixers: recognised by structure, checked on a probe, captured as one ``devin::`` op each.
+
+Pattern → replacement (applied to the module's ``forward`` only while torch.export traces it):
+
+    HF Mamba2-style mixer (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer, NemotronH's, ...):
+        in_proj → split(gate, xBC, dt) → causal_conv1d_forward (+ conv state) → split(x, B, C)
+        → mamba2_scan_forward (+ SSM state) → norm(y, gate) → out_proj
+    →   in_proj → split(gate, xBC, dt) → devin::mamba2_scan(xBC, dt, conv/scan weights, layer, sizes)
+        → norm(y, gate) → out_proj
+
+Why a module-level rewrite and not an FX pattern: HF's torch path unrolls the SSD scan into ~60 nodes whose
+shapes (chunk padding, the ``segment_sum`` masks) specialise on the example length, and it differs between
+families and releases; what stays stable is the module's structure (``in_proj``, ``conv1d``, ``A_log``,
+``D``, ``dt_bias``, a gated ``norm``, ``out_proj`` and the sizes), so that is what is recognised. The
+linears and the gated norm stay in the graph as HF wrote them (the passes still see them); only the
+stateful middle becomes one op, which reads its state slots and sequence boundaries from the step context
+as ``devin::paged_attention`` reads its block tables.
+
+Invariants: a module is taken only when it has every attribute named in ``_MAMBA2_ATTRS`` and a SiLU
+activation, and when the replacement, run as a 7-token prefill then single-token decode steps over a
+scratch state, reproduces the module's own HF forward on a random input (``_probe``); otherwise capture
+fails with ``UnsupportedModelError`` naming the module and class. Any other recurrent construct (Mamba v1
+selective scans, gated DeltaNet, RG-LRU, short convolutions) is refused by name (``_REFUSED``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from ..step import AttentionMetadata, StateStep, StepContext, step_context
+from .errors import UnsupportedModelError
+
+_MAMBA2_ATTRS = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "num_heads", "head_dim",
+                 "n_groups", "ssm_state_size", "intermediate_size", "conv_dim", "chunk_size", "time_step_limit")
+# Class-name fragments of recurrent layers this compiler does not serve yet, and what they are.
+_REFUSED = (("GatedDeltaNet", "gated DeltaNet linear attention (recurrent state)"),
+            ("RecurrentBlock", "RG-LRU recurrent block (recurrent state)"),
+            ("Rglru", "RG-LRU recurrence (recurrent state)"),
+            ("ShortConv", "short causal convolution (conv state)"),
+            ("MambaMixer", "Mamba v1 selective scan (recurrent state)"),
+            ("Mamba", "a Mamba-style mixer (recurrent state)"),
+            ("Mixer", "a state-space mixer (recurrent state)"))
+
+
+def _is_mamba2(mod: torch.nn.Module) -> bool:
+    return all(hasattr(mod, a) for a in _MAMBA2_ATTRS) and isinstance(getattr(mod, "conv1d"), torch.nn.Conv1d)
+
+
+def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's Mamba2-style mixers in layer order; ``UnsupportedModelError`` for any other recurrent layer."""
+    found = []
+    for name, mod in model.named_modules():
+        cls = type(mod).__name__
+        if _is_mamba2(mod):
+            if getattr(mod, "activation", "silu") not in ("silu", "swish"):
+                raise UnsupportedModelError(f"{name} ({cls}): Mamba2 mixer with activation {mod.activation!r}; "
+                                            "devin::mamba2_scan serves SiLU only")
+            found.append((name, mod))
+            continue
+        if any(name.startswith(f + ".") for f, _ in found):
+            continue
+        for frag, what in _REFUSED:
+            if frag in cls and not cls.endswith(("Norm", "RMSNorm", "Embeddings")) and _has_params(mod):
+                raise UnsupportedModelError(
+                    f"{name} ({cls}): {what} is not supported yet; devin-compile serves Mamba2-style mixers "
+                    "(devin::mamba2_scan) beside attention. Way out: run this model with transformers directly.")
+    return found
+
+
+def _has_params(mod: torch.nn.Module) -> bool:
+    return any(True for _ in mod.parameters(recurse=False)) or any(True for _ in mod.children())
+
+
+def state_shapes(mod: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv window [Cd, K-1], SSM state [H, P, N]) of one Mamba2 mixer."""
+    return ((mod.conv_dim, mod.conv1d.kernel_size[0] - 1), (mod.num_heads, mod.head_dim, mod.ssm_state_size))
+
+
+def _mamba2_forward(mod: torch.nn.Module, layer: int):
+    """``mod``'s forward with the conv + scan as ``devin::mamba2_scan`` (recurrent layer ``layer``)."""
+    lo, hi = (float(v) for v in mod.time_step_limit)
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        proj = mod.in_proj(hidden_states)
+        gate, xbc, dt = proj.split([mod.intermediate_size, mod.conv_dim, mod.num_heads], dim=-1)
+        y = torch.ops.devin.mamba2_scan(xbc, dt, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.dt_bias,
+                                        mod.A_log, mod.D, layer, mod.num_heads, mod.head_dim, mod.n_groups,
+                                        mod.ssm_state_size, mod.chunk_size, lo, hi if hi != float("inf") else -1.0)
+        y = mod.norm(y, gate)
+        return mod.out_proj(y.to(dtype))
+
+    return forward
+
+
+@contextlib.contextmanager
+def mamba2_ops(mixers: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
+    """Within the block, each mixer's ``forward`` calls ``devin::mamba2_scan`` (for torch.export)."""
+    from .. import ops  # noqa: F401  (registers devin::mamba2_scan)
+
+    try:
+        for i, (_n, mod) in enumerate(mixers):
+            mod.forward = _mamba2_forward(mod, i)
+        yield
+    finally:
+        for _n, mod in mixers:
+            mod.__dict__.pop("forward", None)
+
+
+class _ProbeStates:
+    def __init__(self, shapes, device) -> None:
+        self.t = tuple(torch.zeros((1, *s), device=device) for s in shapes)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
+        return self.t
+
+
+def _step(fwd, x: torch.Tensor, states: _ProbeStates, context: int) -> torch.Tensor:
+    n = x.shape[1]
+    meta = AttentionMetadata.build([n], [context + n], [[0]], list(range(n)), x.device)
+    with step_context(StepContext(meta, None, None, None, StateStep(states, [0]))):
+        return fwd(x)
+
+
+def check_on_probe(name: str, mod: torch.nn.Module, tokens: int = 11, prefill: int = 7) -> None:
+    """The op-based forward equals ``mod``'s HF forward (no cache) on a random input, as a ``prefill``-token
+    chunk then single-token decode steps; else ``UnsupportedModelError`` naming the module."""
+    from .. import ops  # noqa: F401
+
+    p = next(mod.parameters())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, tokens, mod.in_proj.in_features, generator=gen).to(p.device, p.dtype)
+    with torch.no_grad():
+        ref = mod(x).float()
+        states, fwd = _ProbeStates(state_shapes(mod), p.device), _mamba2_forward(mod, 0)
+        outs = [_step(fwd, x[:, :prefill], states, 0)]
+        outs += [_step(fwd, x[:, t:t + 1], states, t) for t in range(prefill, tokens)]
+    ours = torch.cat(outs, dim=1).float()
+    tol = 1e-4 if p.dtype == torch.float32 else 3e-2
+    err = (ours - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+    if not err <= tol:
+        raise UnsupportedModelError(
+            f"{name} ({type(mod).__name__}) looks like a Mamba2 mixer but devin::mamba2_scan does not reproduce its "
+            f"forward on a probe (relative error {err:.2e} > {tol:g}): this family computes something else around "
+            "the scan. Way out: run this model with transformers directly, or file the construct.")
+
+
+def recurrent_layers(model: torch.nn.Module) -> tuple[list[str], list[tuple[tuple[int, ...], ...]]]:
+    """(mixer module paths in the graph's naming ``m.<path>``, each one's state shapes), every mixer checked."""
+    mixers = recurrent_modules(model)
+    for name, mod in mixers:
+        check_on_probe(name, mod)
+    return ["m." + n for n, _ in mixers], [state_shapes(m) for _n, m in mixers]
