@@ -85,8 +85,9 @@ _MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_di
 
 # Mamba2-style hybrid: layer 0 a Mamba2 mixer (2 groups of 2 heads of 16, state 16, conv 4), layer 1 attention;
 # chunk 8 so prompts span several scan chunks.
-_BAMBA = dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
-              mamba_d_conv=4, mamba_chunk_size=8, mamba_expand=1)
+_GRANITE_MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+                      mamba_chunk_size=8, mamba_expand=1)
+_BAMBA = dict(_GRANITE_MAMBA, attn_layer_indices=[1])
 
 # Families that compile and must match HF. Comments name what each one exercises.
 FAMILIES: dict[str, Family] = {f.name: f for f in [
@@ -141,12 +142,35 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     _f("xglm", gqa=False, impls=("eager",), config=dict(ffn_dim=128)),
     # --- recurrent state (issue 42 part 4): Mamba2 mixers as devin::mamba2_scan over a state pool
     _f("bamba", windows=(-1,), chunks=(-1,), config=_BAMBA),  # Mamba2 mixer + attention (IBM Bamba)
+    _f("granitemoehybrid", windows=(-1,), chunks=(-1,),  # Granite 4 style: mixer + attention, shared MLP
+       config=dict(_GRANITE_MAMBA, layer_types=["mamba", "attention"], num_local_experts=0)),
+    _f("nemotron_h", windows=(-1,), chunks=(-1,),  # mixer and attention blocks named `mixer` alike
+       config=dict(layers_block_type=["mamba", "attention"], mamba_num_heads=4, mamba_head_dim=16,
+                   ssm_state_size=16, n_groups=2, chunk_size=8)),
+    _f("mamba2", gqa=False, impls=("eager",), windows=(), chunks=(),  # pure Mamba2: no attention, no KV layers
+       config=dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8, expand=2)),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
 # (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
+_REC = "UnsupportedModelError"
 UNSUPPORTED: dict[str, tuple] = {
-    "mamba": ("mamba", {}, "eager", "UnsupportedModelError", r"could not capture", "no attention (state-space model)"),
+    "mamba": ("mamba", {}, "eager", _REC, r"MambaMixer\): Mamba v1 selective scan", "Mamba v1 scan (not SSD)"),
+    "jamba": ("jamba", dict(num_experts=1, attn_layer_offset=1, attn_layer_period=2), "eager", _REC,
+              r"JambaMambaMixer\): Mamba v1", "Mamba v1 mixers beside attention"),
+    "qwen3_next": ("qwen3_next", dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32, head_dim=16, linear_num_value_heads=4,
+                                      linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                      layer_types=["linear_attention", "full_attention"]), "eager", _REC,
+                   r"GatedDeltaNet\): gated DeltaNet", "gated DeltaNet linear attention (delta-rule state)"),
+    "recurrent_gemma": ("recurrent_gemma", dict(head_dim=16, lru_width=64, block_types=["recurrent", "attention"]),
+                        "eager", _REC, r"RecurrentBlock\): RG-LRU", "RG-LRU recurrence"),
+    "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"]), "eager", _REC, r"ShortConv\): short causal conv",
+             "gated short convolutions (conv state)"),
+    "falcon_h1": ("falcon_h1", dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+                                    mamba_d_state=16, mamba_chunk_size=8), "eager", _REC,
+                  r"FalconH1Mixer\) looks like a Mamba2 mixer but .* probe",
+                  "Mamba2 mixer with muP multipliers / no gated norm: the probe against HF refuses it"),
 }
 
 # Falcon's new decoder architecture (GQA): before transformers 5.25 its attention repeats the KV

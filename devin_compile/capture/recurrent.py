@@ -42,6 +42,9 @@ _REFUSED = (("GatedDeltaNet", "gated DeltaNet linear attention (recurrent state)
             ("MambaMixer", "Mamba v1 selective scan (recurrent state)"),
             ("Mamba", "a Mamba-style mixer (recurrent state)"),
             ("Mixer", "a state-space mixer (recurrent state)"))
+# Modules that hold layers rather than compute one (the refusal names the layer, not what contains it).
+_CONTAINERS = ("ForCausalLM", "Model", "DecoderLayer", "Layer", "Norm", "Embeddings", "Cache", "MambaBlock",
+               "Mamba2Block")
 
 
 def _is_mamba2(mod: torch.nn.Module) -> bool:
@@ -62,15 +65,11 @@ def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
         if any(name.startswith(f + ".") for f, _ in found):
             continue
         for frag, what in _REFUSED:
-            if frag in cls and not cls.endswith(("Norm", "RMSNorm", "Embeddings")) and _has_params(mod):
+            if frag in cls and not cls.endswith(_CONTAINERS):
                 raise UnsupportedModelError(
                     f"{name} ({cls}): {what} is not supported yet; devin-compile serves Mamba2-style mixers "
                     "(devin::mamba2_scan) beside attention. Way out: run this model with transformers directly.")
     return found
-
-
-def _has_params(mod: torch.nn.Module) -> bool:
-    return any(True for _ in mod.parameters(recurse=False)) or any(True for _ in mod.children())
 
 
 def state_shapes(mod: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -132,18 +131,22 @@ def check_on_probe(name: str, mod: torch.nn.Module, tokens: int = 11, prefill: i
     p = next(mod.parameters())
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, tokens, mod.in_proj.in_features, generator=gen).to(p.device, p.dtype)
-    with torch.no_grad():
-        ref = mod(x).float()
-        states, fwd = _ProbeStates(state_shapes(mod), p.device), _mamba2_forward(mod, 0)
-        outs = [_step(fwd, x[:, :prefill], states, 0)]
-        outs += [_step(fwd, x[:, t:t + 1], states, t) for t in range(prefill, tokens)]
-    ours = torch.cat(outs, dim=1).float()
     tol = 1e-4 if p.dtype == torch.float32 else 3e-2
-    err = (ours - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
-    if not err <= tol:
+    try:
+        with torch.no_grad():
+            ref = mod(x).float()
+            states, fwd = _ProbeStates(state_shapes(mod), p.device), _mamba2_forward(mod, 0)
+            outs = [_step(fwd, x[:, :prefill], states, 0)]
+            outs += [_step(fwd, x[:, t:t + 1], states, t) for t in range(prefill, tokens)]
+        ours = torch.cat(outs, dim=1).float()
+        err = (ours - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+    except Exception as e:  # noqa: BLE001  (a mixer whose parts are called differently: not this pattern)
+        err = f"{type(e).__name__}: {e}"
+    if isinstance(err, str) or not err <= tol:
+        err = err if isinstance(err, str) else f"relative error {err:.2e} > {tol:g}"
         raise UnsupportedModelError(
             f"{name} ({type(mod).__name__}) looks like a Mamba2 mixer but devin::mamba2_scan does not reproduce its "
-            f"forward on a probe (relative error {err:.2e} > {tol:g}): this family computes something else around "
+            f"forward on a probe ({err}): this family computes something else around "
             "the scan. Way out: run this model with transformers directly, or file the construct.")
 
 
