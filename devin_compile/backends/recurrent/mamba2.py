@@ -96,29 +96,51 @@ def _decode_rows(xbc, dt_raw, p: dict, sh: Mamba2Shape, conv_s, ssm_s):
     dt = F.softplus(dt_raw.float() + p["dt_bias"].float())  # [R, H]
     dA = torch.exp(dt * -torch.exp(p["A_log"].float()))
     h = ssm_s * dA[..., None, None] + (dt[..., None] * x)[..., None] * B[:, :, None, :]
-    y = torch.einsum("rhpn,rhn->rhp", h, C) + p["D"].float()[None, :, None] * x
+    y = (h * C[:, :, None, :]).sum(-1) + p["D"].float()[None, :, None] * x
     return y.reshape(x.shape[0], sh.inner), window[:, :, 1:], h
+
+
+@dataclass
+class StepRows:
+    """How one step's sequences split into decode rows and prefill rows (shared by every mixer of a step)."""
+
+    starts: list[int]  # token offset of each sequence (and the total at the end)
+    decode: list[int]  # sequences run as one recurrent step (one token over a context, with a slot)
+    rows: torch.Tensor | None  # their token rows (None: the step is exactly its decode rows, in order)
+    slots: torch.Tensor  # their state slots
+
+    @staticmethod
+    def plan(query_lens: list[int], context_lens: list[int], slots: list[int], device) -> "StepRows":
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        dec = [b for b, (n, c, s) in enumerate(zip(query_lens, context_lens, slots)) if n == 1 and c > 0 and s >= 0]
+        whole = len(dec) == len(query_lens)
+        rows = None if whole else torch.tensor([starts[b] for b in dec], dtype=torch.long, device=device)
+        return StepRows(starts, dec, rows, torch.tensor([slots[b] for b in dec], dtype=torch.long, device=device))
 
 
 def mamba2_forward(xbc: torch.Tensor, dt: torch.Tensor, params: dict, sh: Mamba2Shape,
                    conv_state: torch.Tensor, ssm_state: torch.Tensor, query_lens: list[int],
-                   context_lens: list[int], slots: list[int]) -> torch.Tensor:
+                   context_lens: list[int], slots: list[int], plan: StepRows | None = None) -> torch.Tensor:
     """The step's packed tokens (xbc [T, Cd], dt [T, H]) → y [T, H·P] in xbc's dtype; reads and writes the
     sequences' states (``conv_state`` [S, Cd, K-1], ``ssm_state`` [S, H, P, N]) at ``slots`` (-1: no state,
-    nothing written). A sequence with ``context_lens`` 0 starts from zeros; one token over a context decodes."""
+    nothing written). A sequence with ``context_lens`` 0 starts from zeros; one token over a context decodes.
+    ``plan``: :meth:`StepRows.plan` of the same lists, made once per step."""
+    plan = plan or StepRows.plan(query_lens, context_lens, slots, xbc.device)
+    if plan.decode and plan.rows is None:  # a pure decode step: every row, in order
+        y, conv_s, ssm_s = _decode_rows(xbc, dt, params, sh, conv_state[plan.slots], ssm_state[plan.slots])
+        conv_state[plan.slots] = conv_s.to(conv_state.dtype)
+        ssm_state[plan.slots] = ssm_s.to(ssm_state.dtype)
+        return y.to(xbc.dtype)
     out = torch.empty(xbc.shape[0], sh.inner, dtype=torch.float32, device=xbc.device)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    dec = [b for b, (n, c, s) in enumerate(zip(query_lens, context_lens, slots)) if n == 1 and c > 0 and s >= 0]
-    if dec:
-        rows = torch.tensor([starts[b] for b in dec], device=xbc.device)
-        idx = torch.tensor([slots[b] for b in dec], device=xbc.device)
-        y, conv_s, ssm_s = _decode_rows(xbc[rows], dt[rows], params, sh, conv_state[idx], ssm_state[idx])
-        out[rows] = y
-        conv_state[idx] = conv_s.to(conv_state.dtype)
-        ssm_state[idx] = ssm_s.to(ssm_state.dtype)
-    done = set(dec)
+    if plan.decode:
+        y, conv_s, ssm_s = _decode_rows(xbc[plan.rows], dt[plan.rows], params, sh, conv_state[plan.slots],
+                                        ssm_state[plan.slots])
+        out[plan.rows] = y
+        conv_state[plan.slots] = conv_s.to(conv_state.dtype)
+        ssm_state[plan.slots] = ssm_s.to(ssm_state.dtype)
+    done, starts = set(plan.decode), plan.starts
     for b, (n, c, s) in enumerate(zip(query_lens, context_lens, slots)):
         if b in done or n == 0:
             continue
