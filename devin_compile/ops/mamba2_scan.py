@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.recurrent.mamba2 import Mamba2Shape, StepRows, mamba2_forward
+from ..backends.recurrent.mamba2 import Mamba2Shape, mamba2_forward
+from ..backends.recurrent.step_rows import StepRows
 from ..step import current_context
 
 _lib = torch.library.Library("devin", "FRAGMENT")

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .conv import causal_conv_step
+from .step_rows import StepRows
+
 
 @dataclass(frozen=True)
 class Mamba2Shape:
@@ -38,13 +41,6 @@ class Mamba2Shape:
     @property
     def inner(self) -> int:
         return self.num_heads * self.head_dim
-
-
-def _conv_chunk(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    """x [L, Cd], state [Cd, K-1] → (silu(conv) [L, Cd] float32, new state [Cd, K-1])."""
-    window = torch.cat([state, x.t().float()], dim=1)  # [Cd, K-1+L]
-    out = F.conv1d(window[None], w.float()[:, None, :], None if b is None else b.float(), groups=w.shape[0])[0]
-    return F.silu(out).t(), window[:, window.shape[1] - state.shape[1]:]
 
 
 def _split(xbc: torch.Tensor, sh: Mamba2Shape):
@@ -76,48 +72,12 @@ def scan_chunked(x, dt, A, B, C, D, h0, chunk_size: int):
     return torch.cat(ys), h
 
 
-def _prefill_row(xbc, dt_raw, p: dict, sh: Mamba2Shape, conv_s, ssm_s):
-    """One sequence's tokens in chunked form from its states (zeros when fresh) → (y [L, I], conv, ssm)."""
-    xbc, conv_s = _conv_chunk(xbc, conv_s, p["conv_weight"], p["conv_bias"])
-    x, B, C = _split(xbc, sh)
-    dt = F.softplus(dt_raw.float() + p["dt_bias"].float()).clamp(sh.dt_min, sh.dt_max)
-    A = -torch.exp(p["A_log"].float())
-    y, ssm_s = scan_chunked(x, dt, A, B, C, p["D"].float(), ssm_s, sh.chunk_size)
-    return y.reshape(x.shape[0], sh.inner), conv_s, ssm_s
-
-
-def _decode_rows(xbc, dt_raw, p: dict, sh: Mamba2Shape, conv_s, ssm_s):
-    """R decode tokens, one per sequence: xbc [R, Cd], states [R, ...] → (y [R, I], conv, ssm)."""
-    window = torch.cat([conv_s, xbc.float()[:, :, None]], dim=2)  # [R, Cd, K]
-    conv = (window * p["conv_weight"].float()[None]).sum(-1)
-    if p["conv_bias"] is not None:
-        conv = conv + p["conv_bias"].float()
-    x, B, C = _split(F.silu(conv), sh)  # [R, H, P], [R, H, N]
-    dt = F.softplus(dt_raw.float() + p["dt_bias"].float())  # [R, H]
+def _scan_decode(x, dt_raw, B, C, p: dict, S: torch.Tensor):
+    """R decode tokens (x [R, H, P], B/C [R, H, N], dt_raw [R, H]) over states S [R, H, P, N] → (y, new S)."""
+    dt = F.softplus(dt_raw.float() + p["dt_bias"].float())  # [R, H]; no clamp, as HF's decode step
     dA = torch.exp(dt * -torch.exp(p["A_log"].float()))
-    h = ssm_s * dA[..., None, None] + (dt[..., None] * x)[..., None] * B[:, :, None, :]
-    y = (h * C[:, :, None, :]).sum(-1) + p["D"].float()[None, :, None] * x
-    return y.reshape(x.shape[0], sh.inner), window[:, :, 1:], h
-
-
-@dataclass
-class StepRows:
-    """How one step's sequences split into decode rows and prefill rows (shared by every mixer of a step)."""
-
-    starts: list[int]  # token offset of each sequence (and the total at the end)
-    decode: list[int]  # sequences run as one recurrent step (one token over a context, with a slot)
-    rows: torch.Tensor | None  # their token rows (None: the step is exactly its decode rows, in order)
-    slots: torch.Tensor  # their state slots
-
-    @staticmethod
-    def plan(query_lens: list[int], context_lens: list[int], slots: list[int], device) -> "StepRows":
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        dec = [b for b, (n, c, s) in enumerate(zip(query_lens, context_lens, slots)) if n == 1 and c > 0 and s >= 0]
-        whole = len(dec) == len(query_lens)
-        rows = None if whole else torch.tensor([starts[b] for b in dec], dtype=torch.long, device=device)
-        return StepRows(starts, dec, rows, torch.tensor([slots[b] for b in dec], dtype=torch.long, device=device))
+    S = S * dA[..., None, None] + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+    return (S * C[:, :, None, :]).sum(-1) + p["D"].float()[None, :, None] * x, S
 
 
 def mamba2_forward(xbc: torch.Tensor, dt: torch.Tensor, params: dict, sh: Mamba2Shape,
@@ -127,28 +87,22 @@ def mamba2_forward(xbc: torch.Tensor, dt: torch.Tensor, params: dict, sh: Mamba2
     sequences' states (``conv_state`` [S, Cd, K-1], ``ssm_state`` [S, H, P, N]) at ``slots`` (-1: no state,
     nothing written). A sequence with ``context_lens`` 0 starts from zeros; one token over a context decodes.
     ``plan``: :meth:`StepRows.plan` of the same lists, made once per step."""
-    plan = plan or StepRows.plan(query_lens, context_lens, slots, xbc.device)
-    if plan.decode and plan.rows is None:  # a pure decode step: every row, in order
-        y, conv_s, ssm_s = _decode_rows(xbc, dt, params, sh, conv_state[plan.slots], ssm_state[plan.slots])
-        conv_state[plan.slots] = conv_s.to(conv_state.dtype)
-        ssm_state[plan.slots] = ssm_s.to(ssm_state.dtype)
-        return y.to(xbc.dtype)
-    out = torch.empty(xbc.shape[0], sh.inner, dtype=torch.float32, device=xbc.device)
-    if plan.decode:
-        y, conv_s, ssm_s = _decode_rows(xbc[plan.rows], dt[plan.rows], params, sh, conv_state[plan.slots],
-                                        ssm_state[plan.slots])
-        out[plan.rows] = y
-        conv_state[plan.slots] = conv_s.to(conv_state.dtype)
-        ssm_state[plan.slots] = ssm_s.to(ssm_state.dtype)
-    done, starts = set(plan.decode), plan.starts
-    for b, (n, c, s) in enumerate(zip(query_lens, context_lens, slots)):
-        if b in done or n == 0:
-            continue
-        fresh = c == 0 or s < 0
-        cs = torch.zeros_like(conv_state[0]) if fresh else conv_state[s].float()
-        ss = torch.zeros_like(ssm_state[0]) if fresh else ssm_state[s].float()
-        y, cs, ss = _prefill_row(xbc[starts[b]:starts[b + 1]], dt[starts[b]:starts[b + 1]], params, sh, cs, ss)
-        out[starts[b]:starts[b + 1]] = y
-        if s >= 0:
-            conv_state[s], ssm_state[s] = cs.to(conv_state.dtype), ss.to(ssm_state.dtype)
-    return out.to(xbc.dtype)
+    rows = plan or StepRows.plan(query_lens, context_lens, slots, xbc.device)
+    u = causal_conv_step(xbc, params["conv_weight"], params["conv_bias"], conv_state, rows)  # [T, Cd] float32
+    x, B, C = _split(u, sh)
+    out = torch.empty(xbc.shape[0], sh.num_heads, sh.head_dim, dtype=torch.float32, device=xbc.device)
+    if rows.decode:
+        y, new = _scan_decode(rows.gather(x), rows.gather(dt), rows.gather(B), rows.gather(C), params,
+                              ssm_state[rows.slots].float())
+        if rows.rows is None:
+            out = y
+        else:
+            out[rows.rows] = y
+        rows.put(ssm_state, new)
+    A = -torch.exp(params["A_log"].float())
+    for span, slot, start in rows.chunks(ssm_state):
+        d = F.softplus(dt[span].float() + params["dt_bias"].float()).clamp(sh.dt_min, sh.dt_max)
+        out[span], new = scan_chunked(x[span], d, A, B[span], C[span], params["D"].float(), start, sh.chunk_size)
+        if slot >= 0:
+            ssm_state[slot] = new.to(ssm_state.dtype)
+    return out.reshape(xbc.shape[0], sh.inner).to(xbc.dtype)
