@@ -88,6 +88,7 @@ _MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_di
 _GRANITE_MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
                       mamba_chunk_size=8, mamba_expand=1)
 _BAMBA = dict(_GRANITE_MAMBA, attn_layer_indices=[1])
+_MAMBA1 = dict(state_size=8, intermediate_size=128, time_step_rank=8)
 
 # Families that compile and must match HF. Comments name what each one exercises.
 FAMILIES: dict[str, Family] = {f.name: f for f in [
@@ -149,15 +150,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                    ssm_state_size=16, n_groups=2, chunk_size=8)),
     _f("mamba2", gqa=False, impls=("eager",), windows=(), chunks=(),  # pure Mamba2: no attention, no KV layers
        config=dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8, expand=2)),
+    # Mamba v1 mixers: devin::causal_conv1d + devin::selective_scan, x_proj/dt_proj left in the graph
+    _f("mamba", gqa=False, impls=("eager",), windows=(), chunks=(), config=_MAMBA1),  # pure Mamba
+    _f("falcon_mamba", gqa=False, impls=("eager",), windows=(), chunks=(), config=_MAMBA1),  # weightless dt/B/C norms
+    _f("jamba", windows=(-1,), chunks=(-1,),  # Mamba mixer (dt/B/C RMSNorms) + attention
+       config=dict(num_experts=1, attn_layer_offset=1, attn_layer_period=2, mamba_d_state=8, mamba_expand=2,
+                   mamba_dt_rank=8)),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
 # (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
 _REC = "UnsupportedModelError"
 UNSUPPORTED: dict[str, tuple] = {
-    "mamba": ("mamba", {}, "eager", _REC, r"MambaMixer\): Mamba v1 selective scan", "Mamba v1 scan (not SSD)"),
-    "jamba": ("jamba", dict(num_experts=1, attn_layer_offset=1, attn_layer_period=2), "eager", _REC,
-              r"JambaMambaMixer\): Mamba v1", "Mamba v1 mixers beside attention"),
     "qwen3_next": ("qwen3_next", dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=32, head_dim=16, linear_num_value_heads=4,
                                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,

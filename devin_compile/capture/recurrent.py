@@ -16,11 +16,12 @@ linears and the gated norm stay in the graph as HF wrote them (the passes still 
 stateful middle becomes one op, which reads its state slots and sequence boundaries from the step context
 as ``devin::paged_attention`` reads its block tables.
 
-Invariants: a module is taken only when it has every attribute named in ``_MAMBA2_ATTRS`` and a SiLU
+Invariants: a module is taken only when it has every attribute named in ``_MAMBA2_ATTRS`` (or
+``_MAMBA_ATTRS`` with a 2-D ``A_log``) and a SiLU
 activation, and when the replacement, run as a 7-token prefill then single-token decode steps over a
 scratch state, reproduces the module's own HF forward on a random input (``_probe``); otherwise capture
-fails with ``UnsupportedModelError`` naming the module and class. Any other recurrent construct (Mamba v1
-selective scans, gated DeltaNet, RG-LRU, short convolutions) is refused by name (``_REFUSED``).
+fails with ``UnsupportedModelError`` naming the module and class. Any other recurrent construct (gated
+DeltaNet, RG-LRU, short convolutions, other mixers) is refused by name (``_REFUSED``).
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ from .errors import UnsupportedModelError
 
 _MAMBA2_ATTRS = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "num_heads", "head_dim",
                  "n_groups", "ssm_state_size", "intermediate_size", "conv_dim", "chunk_size", "time_step_limit")
+_MAMBA_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "time_step_rank",
+                "ssm_state_size", "intermediate_size")
+_NAMES = {"mamba2": "Mamba2", "mamba": "Mamba"}
 # Class-name fragments of recurrent layers this compiler does not serve yet, and what they are.
 _REFUSED = (("GatedDeltaNet", "gated DeltaNet linear attention (recurrent state)"),
             ("RecurrentBlock", "RG-LRU recurrent block (recurrent state)"),
@@ -47,19 +51,26 @@ _CONTAINERS = ("ForCausalLM", "Model", "DecoderLayer", "Layer", "Norm", "Embeddi
                "Mamba2Block")
 
 
-def _is_mamba2(mod: torch.nn.Module) -> bool:
-    return all(hasattr(mod, a) for a in _MAMBA2_ATTRS) and isinstance(getattr(mod, "conv1d"), torch.nn.Conv1d)
+def mixer_kind(mod: torch.nn.Module) -> str | None:
+    """"mamba2" (SSD: scalar A per head, gated norm), "mamba" (v1: A [I, N], x_proj/dt_proj), or None."""
+    if not isinstance(getattr(mod, "conv1d", None), torch.nn.Conv1d):
+        return None
+    if all(hasattr(mod, a) for a in _MAMBA2_ATTRS):
+        return "mamba2"
+    if all(hasattr(mod, a) for a in _MAMBA_ATTRS) and mod.A_log.dim() == 2:
+        return "mamba"
+    return None
 
 
 def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The model's Mamba2-style mixers in layer order; ``UnsupportedModelError`` for any other recurrent layer."""
+    """The model's Mamba / Mamba2 mixers in layer order; ``UnsupportedModelError`` for any other recurrent layer."""
     found = []
     for name, mod in model.named_modules():
         cls = type(mod).__name__
-        if _is_mamba2(mod):
+        if mixer_kind(mod) is not None:
             if getattr(mod, "activation", "silu") not in ("silu", "swish"):
-                raise UnsupportedModelError(f"{name} ({cls}): Mamba2 mixer with activation {mod.activation!r}; "
-                                            "devin::mamba2_scan serves SiLU only")
+                raise UnsupportedModelError(f"{name} ({cls}): Mamba mixer with activation {mod.activation!r}; "
+                                            "the recurrent ops serve SiLU only")
             found.append((name, mod))
             continue
         if any(name.startswith(f + ".") for f, _ in found):
@@ -67,14 +78,39 @@ def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
         for frag, what in _REFUSED:
             if frag in cls and not cls.endswith(_CONTAINERS):
                 raise UnsupportedModelError(
-                    f"{name} ({cls}): {what} is not supported yet; devin-compile serves Mamba2-style mixers "
-                    "(devin::mamba2_scan) beside attention. Way out: run this model with transformers directly.")
+                    f"{name} ({cls}): {what} is not supported yet; devin-compile serves Mamba and Mamba2 mixers "
+                    "(alone or beside attention). Way out: run this model with transformers directly.")
     return found
 
 
 def state_shapes(mod: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(conv window [Cd, K-1], SSM state [H, P, N]) of one Mamba2 mixer."""
-    return ((mod.conv_dim, mod.conv1d.kernel_size[0] - 1), (mod.num_heads, mod.head_dim, mod.ssm_state_size))
+    """(conv window [Cd, K-1], SSM state): [H, P, N] for a Mamba2 mixer, [I, N] for a Mamba one."""
+    k = mod.conv1d.kernel_size[0] - 1
+    if mixer_kind(mod) == "mamba2":
+        return ((mod.conv_dim, k), (mod.num_heads, mod.head_dim, mod.ssm_state_size))
+    return ((mod.intermediate_size, k), (mod.intermediate_size, mod.ssm_state_size))
+
+
+def _mamba_forward(mod: torch.nn.Module, layer: int):
+    """A Mamba (v1) mixer's forward with ``devin::causal_conv1d`` and ``devin::selective_scan`` (layer ``layer``);
+    Jamba's and FalconMamba's norms on dt, B and C applied where the module has them, as HF does."""
+    norms = [getattr(mod, n, None) for n in ("dt_layernorm", "b_layernorm", "c_layernorm")]
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x, z = mod.in_proj(hidden_states).chunk(2, dim=-1)
+        x = torch.ops.devin.causal_conv1d(x, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, layer)
+        parts = torch.split(mod.x_proj(x), [mod.time_step_rank, mod.ssm_state_size, mod.ssm_state_size], dim=-1)
+        ts, B, C = (p if n is None else n(p) for p, n in zip(parts, norms))
+        dt = torch.matmul(ts, mod.dt_proj.weight.t())
+        y = torch.ops.devin.selective_scan(x, dt, mod.A_log, B, C, mod.D, z, mod.dt_proj.bias, layer)
+        return mod.out_proj(y.to(dtype))
+
+    return forward
+
+
+def _forward_for(mod: torch.nn.Module, layer: int):
+    return _mamba2_forward(mod, layer) if mixer_kind(mod) == "mamba2" else _mamba_forward(mod, layer)
 
 
 def _mamba2_forward(mod: torch.nn.Module, layer: int):
@@ -95,13 +131,13 @@ def _mamba2_forward(mod: torch.nn.Module, layer: int):
 
 
 @contextlib.contextmanager
-def mamba2_ops(mixers: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
-    """Within the block, each mixer's ``forward`` calls ``devin::mamba2_scan`` (for torch.export)."""
-    from .. import ops  # noqa: F401  (registers devin::mamba2_scan)
+def recurrent_ops(mixers: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
+    """Within the block, each mixer's ``forward`` calls the recurrent ``devin::`` ops (for torch.export)."""
+    from .. import ops  # noqa: F401  (registers the ops)
 
     try:
         for i, (_n, mod) in enumerate(mixers):
-            mod.forward = _mamba2_forward(mod, i)
+            mod.forward = _forward_for(mod, i)
         yield
     finally:
         for _n, mod in mixers:
@@ -135,7 +171,7 @@ def check_on_probe(name: str, mod: torch.nn.Module, tokens: int = 11, prefill: i
     try:
         with torch.no_grad():
             ref = mod(x).float()
-            states, fwd = _ProbeStates(state_shapes(mod), p.device), _mamba2_forward(mod, 0)
+            states, fwd = _ProbeStates(state_shapes(mod), p.device), _forward_for(mod, 0)
             outs = [_step(fwd, x[:, :prefill], states, 0)]
             outs += [_step(fwd, x[:, t:t + 1], states, t) for t in range(prefill, tokens)]
         ours = torch.cat(outs, dim=1).float()
@@ -145,7 +181,7 @@ def check_on_probe(name: str, mod: torch.nn.Module, tokens: int = 11, prefill: i
     if isinstance(err, str) or not err <= tol:
         err = err if isinstance(err, str) else f"relative error {err:.2e} > {tol:g}"
         raise UnsupportedModelError(
-            f"{name} ({type(mod).__name__}) looks like a Mamba2 mixer but devin::mamba2_scan does not reproduce its "
+            f"{name} ({type(mod).__name__}) looks like a {_NAMES[mixer_kind(mod)]} mixer but the recurrent ops do not reproduce its "
             f"forward on a probe ({err}): this family computes something else around "
             "the scan. Way out: run this model with transformers directly, or file the construct.")
 

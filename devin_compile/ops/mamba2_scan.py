@@ -44,9 +44,10 @@ def mamba2_scan(xbc, dt, conv_weight, conv_bias, dt_bias, A_log, D, layer: int, 
     sh = Mamba2Shape(num_heads, head_dim, n_groups, state_size, chunk_size, dt_min, dt_max if dt_max > 0 else float("inf"))
     params = dict(conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A_log=A_log, D=D)
     context = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host)]
-    plan = meta.scratch.get("mamba2_rows")  # planned once per step, shared by every mixer
+    plan = meta.scratch.get("recurrent_rows")  # planned once per step, shared by every recurrent op
     if plan is None:
-        plan = meta.scratch["mamba2_rows"] = StepRows.plan(meta.query_lens_host, context, ctx.states.slots, xbc.device)
+        plan = meta.scratch["recurrent_rows"] = StepRows.plan(meta.query_lens_host, context, ctx.states.slots,
+                                                              xbc.device)
     y = mamba2_forward(xbc[0], dt[0], params, sh, conv_state, ssm_state, meta.query_lens_host, context,
                        ctx.states.slots, plan)
     return y[None]

@@ -1,0 +1,70 @@
+"""``devin::causal_conv1d`` and ``devin::selective_scan``: a Mamba (v1) mixer's two stateful steps.
+
+Schemas::
+
+    devin::causal_conv1d(Tensor x, Tensor weight, Tensor? bias, int layer) -> Tensor
+    devin::selective_scan(Tensor x, Tensor dt, Tensor A_log, Tensor B, Tensor C, Tensor D, Tensor z,
+                          Tensor? dt_bias, int layer) -> Tensor
+
+``causal_conv1d``: x [1, T, C] → ``silu(depthwise causal conv)`` [1, T, C], its window state (the last K-1
+inputs) is recurrent layer ``layer``'s state 0. ``selective_scan``: x, dt (before ``dt_bias`` and softplus),
+z [1, T, I], B, C [1, T, N] → ``(scan(x) + D·x)·silu(z)`` [1, T, I], its SSM state [I, N] is state 1 of the
+same layer. Between the two the mixer's ``x_proj`` / ``dt_proj`` linears stay in the graph. Sequences, slots
+and fresh starts come from the step context exactly as for ``devin::mamba2_scan`` (see there); kernels in
+``backends/recurrent/conv.py`` and ``mamba.py``. Inference only; state writes are side effects the graph does
+not see (``devin::`` ops are never removed or merged by the passes).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backends.recurrent.conv import causal_conv_step
+from ..backends.recurrent.mamba import selective_scan_step
+from ..backends.recurrent.step_rows import StepRows
+from ..step import current_context
+
+_lib = torch.library.Library("devin", "FRAGMENT")
+_lib.define("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, int layer) -> Tensor")
+_lib.define("selective_scan(Tensor x, Tensor dt, Tensor A_log, Tensor B, Tensor C, Tensor D, Tensor z, "
+            "Tensor? dt_bias, int layer) -> Tensor")
+
+
+def step_rows(op: str):
+    """(the step's :class:`StepRows`, planned once per step; the state pool) for a recurrent op."""
+    ctx = current_context()
+    if ctx.states is None:
+        raise RuntimeError(f"devin::{op} ran in a step without a state pool: this model has recurrent layers, so run "
+                           "it through devin_compile's Engine/OptimizedModel (which allocate their state slots), "
+                           "or install a StateStep in the step context")
+    meta = ctx.attn
+    rows = meta.scratch.get("recurrent_rows")
+    if rows is None:
+        context = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host)]
+        rows = meta.scratch["recurrent_rows"] = StepRows.plan(meta.query_lens_host, context, ctx.states.slots,
+                                                              meta.query_start_loc.device)
+    return rows, ctx.states.pool
+
+
+def causal_conv1d(x, weight, bias, layer: int) -> torch.Tensor:
+    rows, pool = step_rows("causal_conv1d")
+    return causal_conv_step(x[0], weight, bias, pool.layer(layer)[0], rows).to(x.dtype)[None]
+
+
+def selective_scan(x, dt, A_log, B, C, D, z, dt_bias, layer: int) -> torch.Tensor:
+    rows, pool = step_rows("selective_scan")
+    return selective_scan_step(x[0], dt[0], A_log, B[0], C[0], D, z[0], dt_bias, pool.layer(layer)[1],
+                               rows).to(x.dtype)[None]
+
+
+_lib.impl("causal_conv1d", causal_conv1d, "CompositeExplicitAutograd")
+_lib.impl("selective_scan", selective_scan, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("devin::causal_conv1d", lib=_lib)
+def _(x, weight, bias, layer):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("devin::selective_scan", lib=_lib)
+def _(x, dt, A_log, B, C, D, z, dt_bias, layer):
+    return torch.empty_like(x)
