@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from conftest import FAMILIES
 from devin_compile import optimize
 from devin_compile.backends.recurrent.mamba2 import Mamba2Shape, mamba2_forward, scan_chunked
+from devin_compile.backends.recurrent.step_rows import StepRows
 from devin_compile.runtime.sampling import SamplingParams
 from devin_compile.runtime.state_pool import StatePool
 
@@ -85,8 +86,9 @@ def test_mamba2_steps_match_token_by_token_recurrence(plan):
         rows = [(b, pc[s]) for b, pc in enumerate(pieces) if s < len(pc)]
         xbc = torch.cat([seqs[b][0][a:e] for b, (a, e) in rows])
         dt = torch.cat([seqs[b][1][a:e] for b, (a, e) in rows])
-        y = mamba2_forward(xbc, dt, p, sh, *pool.layer(0), [e - a for _b, (a, e) in rows],
-                           [a for _b, (a, e) in rows], [slots[b] for b, _ in rows])
+        plan = StepRows.plan([e - a for _b, (a, e) in rows], [a for _b, (a, e) in rows],
+                             [slots[b] for b, _ in rows], "cpu")
+        y = mamba2_forward(xbc, dt, p, sh, *pool.layer(0), plan)
         o = 0
         for b, (a, e) in rows:
             outs[b].append(y[o:o + e - a])
@@ -111,6 +113,43 @@ def test_chunked_scan_matches_transformers():
     y, h = scan_chunked(x[0], d, A, B[0].repeat_interleave(2, 1), C[0].repeat_interleave(2, 1), D, h0[0], 8)
     assert torch.allclose(y, want[0], atol=1e-4, rtol=1e-4)
     assert torch.allclose(h, want_h[0], atol=1e-4, rtol=1e-4)
+
+
+def test_selective_scan_matches_transformers_over_step_splits():
+    """Mamba v1: conv + selective scan run as [prefill chunk, prefill chunk, decode, decode] steps of two
+    sequences against transformers' own full-sequence torch path (causal_conv1d_fn + mamba_selective_scan)."""
+    from transformers.models.mamba.modeling_mamba import causal_conv1d_fn, mamba_selective_scan
+
+    from devin_compile.backends.recurrent.conv import causal_conv_step
+    from devin_compile.backends.recurrent.mamba import selective_scan_step
+
+    g = torch.Generator().manual_seed(5)
+    I, N, K = 12, 6, 4
+    w, b = torch.randn(I, K, generator=g) * 0.5, torch.randn(I, generator=g) * 0.1
+    A_log, D, dt_bias = torch.randn(I, N, generator=g) * 0.5, torch.randn(I, generator=g), torch.randn(I, generator=g)
+    lens, cuts = [13, 9], [[0, 5, 11, 12, 13], [0, 7, 8, 9]]
+    data = [[torch.randn(n, I, generator=g) for _ in range(3)] + [torch.randn(n, N, generator=g) for _ in range(2)]
+            for n in lens]  # x, dt, z, B, C
+    pool = StatePool([((I, K - 1), (I, N))] * 1, 2)
+    slots = [pool.allocate("a"), pool.allocate("b")]
+    outs = [[], []]
+    for s in range(4):
+        rows_b = [b_ for b_ in range(2) if s + 1 < len(cuts[b_])]
+        spans = [(cuts[b_][s], cuts[b_][s + 1]) for b_ in rows_b]
+        cat = [torch.cat([data[b_][k][a:e] for b_, (a, e) in zip(rows_b, spans)]) for k in range(5)]
+        rows = StepRows.plan([e - a for a, e in spans], [a for a, _ in spans], [slots[b_] for b_ in rows_b], "cpu")
+        u = causal_conv_step(cat[0], w, b, pool.layer(0)[0], rows)
+        y = selective_scan_step(u, cat[1], A_log, cat[3], cat[4], D, cat[2], dt_bias, pool.layer(0)[1], rows)
+        o = 0
+        for b_, (a, e) in zip(rows_b, spans):
+            outs[b_].append(y[o:o + e - a])
+            o += e - a
+    for b_ in range(2):
+        x, dt, z, B, C = data[b_]
+        u = causal_conv1d_fn(x.t()[None], w, b, activation="silu")
+        want = mamba_selective_scan(u, dt.t()[None], -torch.exp(A_log), B.t()[None], C.t()[None], D, z=z.t()[None],
+                                    delta_bias=dt_bias, delta_softplus=True)[0].t()
+        assert torch.allclose(torch.cat(outs[b_]), want, atol=1e-5, rtol=1e-4), f"sequence {b_}"
 
 
 def test_state_pool_slots():

@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.recurrent.mamba2 import Mamba2Shape, mamba2_forward
-from ..backends.recurrent.step_rows import StepRows
-from ..step import current_context
+from .mamba_scan import step_rows
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("mamba2_scan(Tensor xbc, Tensor dt, Tensor conv_weight, Tensor? conv_bias, Tensor dt_bias, "
@@ -34,23 +33,12 @@ _lib.define("mamba2_scan(Tensor xbc, Tensor dt, Tensor conv_weight, Tensor? conv
 def mamba2_scan(xbc, dt, conv_weight, conv_bias, dt_bias, A_log, D, layer: int, num_heads: int, head_dim: int,
                 n_groups: int, state_size: int, chunk_size: int, dt_min: float = 0.0,
                 dt_max: float = -1.0) -> torch.Tensor:
-    ctx = current_context()
-    if ctx.states is None:
-        raise RuntimeError("devin::mamba2_scan ran in a step without a state pool: this model has recurrent layers, "
-                           "so run it through devin_compile's Engine/OptimizedModel (which allocate their state "
-                           "slots), or install a StateStep in the step context")
-    meta = ctx.attn
-    conv_state, ssm_state = ctx.states.pool.layer(layer)
-    sh = Mamba2Shape(num_heads, head_dim, n_groups, state_size, chunk_size, dt_min, dt_max if dt_max > 0 else float("inf"))
+    rows, pool = step_rows("mamba2_scan")
+    conv_state, ssm_state = pool.layer(layer)
+    sh = Mamba2Shape(num_heads, head_dim, n_groups, state_size, chunk_size, dt_min,
+                     dt_max if dt_max > 0 else float("inf"))
     params = dict(conv_weight=conv_weight, conv_bias=conv_bias, dt_bias=dt_bias, A_log=A_log, D=D)
-    context = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host)]
-    plan = meta.scratch.get("recurrent_rows")  # planned once per step, shared by every recurrent op
-    if plan is None:
-        plan = meta.scratch["recurrent_rows"] = StepRows.plan(meta.query_lens_host, context, ctx.states.slots,
-                                                              xbc.device)
-    y = mamba2_forward(xbc[0], dt[0], params, sh, conv_state, ssm_state, meta.query_lens_host, context,
-                       ctx.states.slots, plan)
-    return y[None]
+    return mamba2_forward(xbc[0], dt[0], params, sh, conv_state, ssm_state, rows)[None]
 
 
 _lib.impl("mamba2_scan", mamba2_scan, "CompositeExplicitAutograd")

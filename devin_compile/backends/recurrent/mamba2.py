@@ -81,13 +81,11 @@ def _scan_decode(x, dt_raw, B, C, p: dict, S: torch.Tensor):
 
 
 def mamba2_forward(xbc: torch.Tensor, dt: torch.Tensor, params: dict, sh: Mamba2Shape,
-                   conv_state: torch.Tensor, ssm_state: torch.Tensor, query_lens: list[int],
-                   context_lens: list[int], slots: list[int], plan: StepRows | None = None) -> torch.Tensor:
+                   conv_state: torch.Tensor, ssm_state: torch.Tensor, rows: StepRows) -> torch.Tensor:
     """The step's packed tokens (xbc [T, Cd], dt [T, H]) → y [T, H·P] in xbc's dtype; reads and writes the
-    sequences' states (``conv_state`` [S, Cd, K-1], ``ssm_state`` [S, H, P, N]) at ``slots`` (-1: no state,
-    nothing written). A sequence with ``context_lens`` 0 starts from zeros; one token over a context decodes.
-    ``plan``: :meth:`StepRows.plan` of the same lists, made once per step."""
-    rows = plan or StepRows.plan(query_lens, context_lens, slots, xbc.device)
+    sequences' states (``conv_state`` [S, Cd, K-1], ``ssm_state`` [S, H, P, N]) at their slots, as ``rows``
+    (:meth:`StepRows.plan`, made once per step) says: a slot -1 has no state and writes nothing, a fresh
+    sequence starts from zeros, one token over a context decodes."""
     u = causal_conv_step(xbc, params["conv_weight"], params["conv_bias"], conv_state, rows)  # [T, Cd] float32
     x, B, C = _split(u, sh)
     out = torch.empty(xbc.shape[0], sh.num_heads, sh.head_dim, dtype=torch.float32, device=xbc.device)
