@@ -156,17 +156,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     _f("jamba", windows=(-1,), chunks=(-1,),  # Mamba mixer (dt/B/C RMSNorms) + attention
        config=dict(num_experts=1, attn_layer_offset=1, attn_layer_period=2, mamba_d_state=8, mamba_expand=2,
                    mamba_dt_rank=8)),
+    # gated DeltaNet (conv + delta rule state) beside gated attention with partial rotary; MoE with shared expert
+    _f("qwen3_next", windows=(-1,), chunks=(-1,),
+       config=dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                   head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                   linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
 # (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
 _REC = "UnsupportedModelError"
 UNSUPPORTED: dict[str, tuple] = {
-    "qwen3_next": ("qwen3_next", dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
-                                      shared_expert_intermediate_size=32, head_dim=16, linear_num_value_heads=4,
-                                      linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                                      layer_types=["linear_attention", "full_attention"]), "eager", _REC,
-                   r"GatedDeltaNet\): gated DeltaNet", "gated DeltaNet linear attention (delta-rule state)"),
     "recurrent_gemma": ("recurrent_gemma", dict(head_dim=16, lru_width=64, block_types=["recurrent", "attention"]),
                         "eager", _REC, r"RecurrentBlock\): RG-LRU", "RG-LRU recurrence"),
     "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"]), "eager", _REC, r"ShortConv\): short causal conv",

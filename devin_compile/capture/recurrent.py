@@ -29,6 +29,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from ..step import AttentionMetadata, StateStep, StepContext, step_context
 from .errors import UnsupportedModelError
@@ -37,9 +38,12 @@ _MAMBA2_ATTRS = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj
                  "n_groups", "ssm_state_size", "intermediate_size", "conv_dim", "chunk_size", "time_step_limit")
 _MAMBA_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "time_step_rank",
                 "ssm_state_size", "intermediate_size")
-_NAMES = {"mamba2": "Mamba2", "mamba": "Mamba"}
+_DELTANET_ATTRS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "dt_bias", "A_log", "norm", "out_proj",
+                   "fix_query_key_value_ordering", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim",
+                   "value_dim", "conv_dim")
+_NAMES = {"mamba2": "Mamba2", "mamba": "Mamba", "gated_deltanet": "gated DeltaNet"}
 # Class-name fragments of recurrent layers this compiler does not serve yet, and what they are.
-_REFUSED = (("GatedDeltaNet", "gated DeltaNet linear attention (recurrent state)"),
+_REFUSED = (("GatedDeltaNet", "a gated DeltaNet layer of another layout (recurrent state)"),
             ("RecurrentBlock", "RG-LRU recurrent block (recurrent state)"),
             ("Rglru", "RG-LRU recurrence (recurrent state)"),
             ("ShortConv", "short causal convolution (conv state)"),
@@ -52,13 +56,16 @@ _CONTAINERS = ("ForCausalLM", "Model", "DecoderLayer", "Layer", "Norm", "Embeddi
 
 
 def mixer_kind(mod: torch.nn.Module) -> str | None:
-    """"mamba2" (SSD: scalar A per head, gated norm), "mamba" (v1: A [I, N], x_proj/dt_proj), or None."""
+    """"mamba2" (SSD: scalar A per head, gated norm), "mamba" (v1: A [I, N], x_proj/dt_proj), "gated_deltanet"
+    (Qwen3-Next: fused qkvz/ba projections, delta rule over [Hv, Dk, Dv] states), or None."""
     if not isinstance(getattr(mod, "conv1d", None), torch.nn.Conv1d):
         return None
     if all(hasattr(mod, a) for a in _MAMBA2_ATTRS):
         return "mamba2"
     if all(hasattr(mod, a) for a in _MAMBA_ATTRS) and mod.A_log.dim() == 2:
         return "mamba"
+    if all(hasattr(mod, a) for a in _DELTANET_ATTRS):
+        return "gated_deltanet"
     return None
 
 
@@ -85,9 +92,11 @@ def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 def state_shapes(mod: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(conv window [Cd, K-1], SSM state): [H, P, N] for a Mamba2 mixer, [I, N] for a Mamba one."""
-    k = mod.conv1d.kernel_size[0] - 1
-    if mixer_kind(mod) == "mamba2":
+    k, kind = mod.conv1d.kernel_size[0] - 1, mixer_kind(mod)
+    if kind == "mamba2":
         return ((mod.conv_dim, k), (mod.num_heads, mod.head_dim, mod.ssm_state_size))
+    if kind == "gated_deltanet":
+        return ((mod.conv_dim, k), (mod.num_v_heads, mod.head_k_dim, mod.head_v_dim))
     return ((mod.intermediate_size, k), (mod.intermediate_size, mod.ssm_state_size))
 
 
@@ -109,8 +118,31 @@ def _mamba_forward(mod: torch.nn.Module, layer: int):
     return forward
 
 
+def _gated_delta_forward(mod: torch.nn.Module, layer: int):
+    """A gated DeltaNet layer's forward with ``devin::causal_conv1d`` and ``devin::gated_delta_rule``; the
+    projections, the module's own head reordering, the gates and the gated norm stay as HF wrote them."""
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        q, k, v, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(hidden_states),
+                                                            mod.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+        mixed = torch.ops.devin.causal_conv1d(mixed, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, layer)
+        q, k, v = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+        T = q.shape[1]
+        q, k = q.reshape(1, T, -1, mod.head_k_dim), k.reshape(1, T, -1, mod.head_k_dim)
+        v = v.reshape(1, T, -1, mod.head_v_dim)
+        g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
+        o = torch.ops.devin.gated_delta_rule(q, k, v, g, b.sigmoid(), layer)
+        o = mod.norm(o.reshape(-1, o.shape[-1]), z.reshape(-1, z.shape[-1])).reshape(z.shape)
+        return mod.out_proj(o.reshape(o.shape[0], o.shape[1], -1))
+
+    return forward
+
+
 def _forward_for(mod: torch.nn.Module, layer: int):
-    return _mamba2_forward(mod, layer) if mixer_kind(mod) == "mamba2" else _mamba_forward(mod, layer)
+    kind = mixer_kind(mod)
+    make = _mamba2_forward if kind == "mamba2" else _mamba_forward if kind == "mamba" else _gated_delta_forward
+    return make(mod, layer)
 
 
 def _mamba2_forward(mod: torch.nn.Module, layer: int):
@@ -166,7 +198,8 @@ def check_on_probe(name: str, mod: torch.nn.Module, tokens: int = 11, prefill: i
 
     p = next(mod.parameters())
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, tokens, mod.in_proj.in_features, generator=gen).to(p.device, p.dtype)
+    width = mod.out_proj.out_features  # the mixer reads and writes the model width
+    x = torch.randn(1, tokens, width, generator=gen).to(p.device, p.dtype)
     tol = 1e-4 if p.dtype == torch.float32 else 3e-2
     try:
         with torch.no_grad():

@@ -1,15 +1,19 @@
-"""``devin::causal_conv1d`` and ``devin::selective_scan``: a Mamba (v1) mixer's two stateful steps.
+"""``devin::causal_conv1d``, ``devin::selective_scan``, ``devin::gated_delta_rule``: the stateful steps of Mamba (v1)
+mixers and gated DeltaNet layers.
 
 Schemas::
 
     devin::causal_conv1d(Tensor x, Tensor weight, Tensor? bias, int layer) -> Tensor
     devin::selective_scan(Tensor x, Tensor dt, Tensor A_log, Tensor B, Tensor C, Tensor D, Tensor z,
                           Tensor? dt_bias, int layer) -> Tensor
+    devin::gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int layer) -> Tensor
 
 ``causal_conv1d``: x [1, T, C] → ``silu(depthwise causal conv)`` [1, T, C], its window state (the last K-1
 inputs) is recurrent layer ``layer``'s state 0. ``selective_scan``: x, dt (before ``dt_bias`` and softplus),
 z [1, T, I], B, C [1, T, N] → ``(scan(x) + D·x)·silu(z)`` [1, T, I], its SSM state [I, N] is state 1 of the
-same layer. Between the two the mixer's ``x_proj`` / ``dt_proj`` linears stay in the graph. Sequences, slots
+same layer. ``gated_delta_rule``: q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g (log decay), beta [1, T, Hv] →
+o [1, T, Hv, Dv] (``backends/recurrent/gated_delta.py``), its state [Hv, Dk, Dv] is state 1 of the layer (its
+conv, state 0, is ``causal_conv1d``'s). Between the two the mixer's ``x_proj`` / ``dt_proj`` linears stay in the graph. Sequences, slots
 and fresh starts come from the step context exactly as for ``devin::mamba2_scan`` (see there); kernels in
 ``backends/recurrent/conv.py`` and ``mamba.py``. Inference only; state writes are side effects the graph does
 not see (``devin::`` ops are never removed or merged by the passes).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.recurrent.conv import causal_conv_step
+from ..backends.recurrent.gated_delta import gated_delta_step
 from ..backends.recurrent.mamba import selective_scan_step
 from ..backends.recurrent.step_rows import StepRows
 from ..step import current_context
@@ -27,6 +32,7 @@ _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, int layer) -> Tensor")
 _lib.define("selective_scan(Tensor x, Tensor dt, Tensor A_log, Tensor B, Tensor C, Tensor D, Tensor z, "
             "Tensor? dt_bias, int layer) -> Tensor")
+_lib.define("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int layer) -> Tensor")
 
 
 def step_rows(op: str):
@@ -56,6 +62,12 @@ def selective_scan(x, dt, A_log, B, C, D, z, dt_bias, layer: int) -> torch.Tenso
                                rows).to(x.dtype)[None]
 
 
+def gated_delta_rule(q, k, v, g, beta, layer: int) -> torch.Tensor:
+    rows, pool = step_rows("gated_delta_rule")
+    return gated_delta_step(q[0], k[0], v[0], g[0], beta[0], pool.layer(layer)[1], rows).to(v.dtype)[None]
+
+
+_lib.impl("gated_delta_rule", gated_delta_rule, "CompositeExplicitAutograd")
 _lib.impl("causal_conv1d", causal_conv1d, "CompositeExplicitAutograd")
 _lib.impl("selective_scan", selective_scan, "CompositeExplicitAutograd")
 
@@ -63,6 +75,11 @@ _lib.impl("selective_scan", selective_scan, "CompositeExplicitAutograd")
 @torch.library.register_fake("devin::causal_conv1d", lib=_lib)
 def _(x, weight, bias, layer):
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("devin::gated_delta_rule", lib=_lib)
+def _(q, k, v, g, beta, layer):
+    return torch.empty_like(v)
 
 
 @torch.library.register_fake("devin::selective_scan", lib=_lib)
