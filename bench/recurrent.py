@@ -74,7 +74,8 @@ def main() -> None:
           f"({row['mixers']} Mamba2 mixers), fp32, batch 1, medians of {args.repeats}")
     print(f"  decode tok/s: HF eager {hf.decode_tok_s:.1f}  devin-compile {dv.decode_tok_s:.1f}  "
           f"ratio {row['decode_speedup']:.2f}x")
-    print(f"  TTFT ms ({len(ids)}-token prompt): HF eager {row['hf_ttft_ms']:.1f}  devin-compile {row['devin_ttft_ms']:.1f}")
+    print(f"  TTFT ms ({len(ids)}-token prompt): HF eager {row['hf_ttft_ms']:.1f}  "
+          f"devin-compile {row['devin_ttft_ms']:.1f}")
     print(f"  same greedy tokens: {row['same_greedy_tokens']}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -152,6 +152,39 @@ def test_selective_scan_matches_transformers_over_step_splits():
         assert torch.allclose(torch.cat(outs[b_]), want, atol=1e-5, rtol=1e-4), f"sequence {b_}"
 
 
+def test_gated_delta_rule_matches_transformers_over_step_splits():
+    """Gated delta rule run as [prefill chunk, prefill chunk, decode, decode] steps of two sequences against
+    transformers' chunked torch path over the whole sequences (torch_chunk_gated_delta_rule)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from devin_compile.backends.recurrent.gated_delta import gated_delta_step
+
+    g = torch.Generator().manual_seed(9)
+    Hk, Hv, Dk, Dv = 2, 4, 8, 6
+    lens, cuts = [13, 9], [[0, 5, 11, 12, 13], [0, 7, 8, 9]]
+    data = [(torch.randn(n, Hk, Dk, generator=g), torch.randn(n, Hk, Dk, generator=g),
+             torch.randn(n, Hv, Dv, generator=g), -torch.rand(n, Hv, generator=g), torch.rand(n, Hv, generator=g))
+            for n in lens]  # q, k, v, g, beta
+    pool = StatePool([((1, 1), (Hv, Dk, Dv))], 2)
+    slots = [pool.allocate("a"), pool.allocate("b")]
+    outs = [[], []]
+    for s in range(4):
+        live = [b_ for b_ in range(2) if s + 1 < len(cuts[b_])]
+        spans = [(cuts[b_][s], cuts[b_][s + 1]) for b_ in live]
+        cat = [torch.cat([data[b_][k][a:e] for b_, (a, e) in zip(live, spans)]) for k in range(5)]
+        rows = StepRows.plan([e - a for a, e in spans], [a for a, _ in spans], [slots[b_] for b_ in live], "cpu")
+        o = gated_delta_step(*cat, pool.layer(0)[1], rows)
+        off = 0
+        for b_, (a, e) in zip(live, spans):
+            outs[b_].append(o[off:off + e - a])
+            off += e - a
+    for b_ in range(2):
+        q, k, v, gg, beta = (t[None] for t in data[b_])
+        want, _ = torch_chunk_gated_delta_rule(q, k, v, g=gg, beta=beta, chunk_size=4, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+        assert torch.allclose(torch.cat(outs[b_]), want[0], atol=1e-5, rtol=1e-4), f"sequence {b_}"
+
+
 def test_state_pool_slots():
     pool = StatePool([((3, 2), (2, 2, 2))], 2)
     a = pool.allocate("a")

@@ -165,7 +165,7 @@ def _mamba2_forward(mod: torch.nn.Module, layer: int):
 @contextlib.contextmanager
 def recurrent_ops(mixers: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
     """Within the block, each mixer's ``forward`` calls the recurrent ``devin::`` ops (for torch.export)."""
-    from .. import ops  # noqa: F401  (registers the ops)
+    from .. import ops  # noqa: F401  (registers the ops)  # pyflakes: ignore
 
     try:
         for i, (_n, mod) in enumerate(mixers):
@@ -214,8 +214,8 @@ def check_on_probe(name: str, mod: torch.nn.Module, tokens: int = 11, prefill: i
     if isinstance(err, str) or not err <= tol:
         err = err if isinstance(err, str) else f"relative error {err:.2e} > {tol:g}"
         raise UnsupportedModelError(
-            f"{name} ({type(mod).__name__}) looks like a {_NAMES[mixer_kind(mod)]} mixer but the recurrent ops do not reproduce its "
-            f"forward on a probe ({err}): this family computes something else around "
+            f"{name} ({type(mod).__name__}) looks like a {_NAMES[mixer_kind(mod)]} mixer but the recurrent ops do "
+            f"not reproduce its forward on a probe ({err}): this family computes something else around "
             "the scan. Way out: run this model with transformers directly, or file the construct.")
 
 

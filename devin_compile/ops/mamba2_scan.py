@@ -9,7 +9,8 @@ Schema::
 ``xbc`` [1, T, Cd] (the conv's input: x, B, C before the depthwise conv), ``dt`` [1, T, H] (before
 ``dt_bias`` and softplus) → ``y`` [1, T, H·P]: conv + SiLU + selective scan + the ``D`` skip, what HF's
 ``causal_conv1d_forward`` and ``mamba2_scan_forward`` compute between a Mamba2 mixer's ``in_proj`` split and its
-gated norm (``dt_max`` ≤ 0: no upper limit). Sequence b owns tokens ``query_start_loc[b]:query_start_loc[b+1]`` of the step
+gated norm (``dt_max`` ≤ 0: no upper limit). Sequence b owns tokens
+``query_start_loc[b]:query_start_loc[b+1]`` of the step
 (``AttentionMetadata``); its conv window and SSM state live in recurrent layer ``layer``'s slot
 ``StepContext.states.slots[b]`` of the state pool, read when the sequence has cached tokens before the step
 (``seq_lens - query_len > 0``), else zeros, and written back after. Prefill chunks run the chunked form, decode

@@ -13,10 +13,11 @@ inputs) is recurrent layer ``layer``'s state 0. ``selective_scan``: x, dt (befor
 z [1, T, I], B, C [1, T, N] → ``(scan(x) + D·x)·silu(z)`` [1, T, I], its SSM state [I, N] is state 1 of the
 same layer. ``gated_delta_rule``: q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g (log decay), beta [1, T, Hv] →
 o [1, T, Hv, Dv] (``backends/recurrent/gated_delta.py``), its state [Hv, Dk, Dv] is state 1 of the layer (its
-conv, state 0, is ``causal_conv1d``'s). Between the two the mixer's ``x_proj`` / ``dt_proj`` linears stay in the graph. Sequences, slots
-and fresh starts come from the step context exactly as for ``devin::mamba2_scan`` (see there); kernels in
-``backends/recurrent/conv.py`` and ``mamba.py``. Inference only; state writes are side effects the graph does
-not see (``devin::`` ops are never removed or merged by the passes).
+conv, state 0, is ``causal_conv1d``'s). Between them the layer's other ops (Mamba's ``x_proj`` / ``dt_proj``,
+DeltaNet's head split and gates) stay in the graph. Sequences, slots and fresh starts come from the step context
+exactly as for ``devin::mamba2_scan`` (see there): :func:`step_rows` plans them once per step; kernels in
+``backends/recurrent/conv.py``, ``mamba.py`` and ``gated_delta.py``. Inference only; state writes are side
+effects the graph does not see (``devin::`` ops are never removed or merged by the passes).
 """
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ class StatePool:
         """A zeroed slot for ``owner``; ``RuntimeError`` when none is free (admission checks first)."""
         if not self._free:
             raise RuntimeError(f"the recurrent state pool's {self.num_slots} slots are all taken "
-                               f"(first owners: {sorted(self._owners.values())[:4]}); a sequence is admitted only with a free slot")
+                               f"(first owners: {sorted(self._owners.values())[:4]}); a sequence is admitted only "
+                               "with a free slot")
         slot = self._free.pop()
         for layer in self._layers:
             for t in layer:
