@@ -116,8 +116,9 @@ def _rank_group(model: torch.nn.Module, info: ModelInfo,
 
 
 def _check_recurrent_options(config: OptimizeConfig) -> None:
-    """Options a model with recurrent layers (Mamba2 mixers: a state pool beside the KV cache) cannot take, each
-    refused by name before any work (prefix caching, on by default, is turned off by ``build_engine``)."""
+    """Options a model with recurrent layers (Mamba, gated DeltaNet, RG-LRU: a state pool beside the KV cache)
+    cannot take, each refused by name before any work (prefix caching, on by default, is turned off by
+    ``build_engine``)."""
     refused = [(config.speculative is not None, "speculative=", "the state would need rolling back after "
                 "rejected proposals, and no snapshot is kept"),
                (config.kv_prune is not None, "kv_prune=", "pruning K/V does not prune a recurrent state"),
@@ -126,8 +127,8 @@ def _check_recurrent_options(config: OptimizeConfig) -> None:
                (config.tensor_parallel > 1, "tensor_parallel > 1", "the mixers are not split over ranks")]
     for on, what, why in refused:
         if on:
-            raise ValueError(f"{what} is not supported for models with recurrent layers (Mamba2 mixers): {why}; "
-                             f"drop {what.split('=')[0].split(' ')[0]}")
+            raise ValueError(f"{what} is not supported for models with recurrent layers (Mamba, gated DeltaNet, "
+                             f"RG-LRU): {why}; drop {what.split('=')[0].split(' ')[0]}")
 
 
 def _kept(quant, config: OptimizeConfig):

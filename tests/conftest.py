@@ -161,14 +161,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
        config=dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                    head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                    linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])),
+    # RG-LRU (conv + diagonal linear recurrence, gates from each token) beside local attention (window 12, partial
+    # rotary); embeddings scaled by a bf16 sqrt(hidden), logits soft-capped
+    _f("recurrent_gemma", windows=(12,), chunks=(-1,),
+       config=dict(lru_width=64, attention_window_size=12, block_types=["recurrent", "attention"])),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
 # (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
 _REC = "UnsupportedModelError"
 UNSUPPORTED: dict[str, tuple] = {
-    "recurrent_gemma": ("recurrent_gemma", dict(head_dim=16, lru_width=64, block_types=["recurrent", "attention"]),
-                        "eager", _REC, r"RecurrentBlock\): RG-LRU", "RG-LRU recurrence"),
     "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"]), "eager", _REC, r"ShortConv\): short causal conv",
              "gated short convolutions (conv state)"),
     "falcon_h1": ("falcon_h1", dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,

@@ -21,7 +21,7 @@ PROMPT_LENS = (5, 19, 37)
 NEW_TOKENS = [32, 40, 48]
 NUM_KV_BLOCKS = 26  # 26 x 4 slots: the longest request (85 tokens, 22 blocks) fits alone, not all three
 RECURRENT = [name for name in ("bamba", "granitemoehybrid", "nemotron_h", "mamba2", "mamba", "falcon_mamba", "jamba",
-                               "qwen3_next") if name in FAMILIES]
+                               "qwen3_next", "recurrent_gemma") if name in FAMILIES]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,7 +66,7 @@ def test_graph_has_one_scan_per_mixer(family, tiny_model):
         calls = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("devin.")]
         ops = torch.ops.devin
         scans = [n for n in calls if n.target in (ops.mamba2_scan.default, ops.selective_scan.default,
-                                                  ops.gated_delta_rule.default)]
+                                                  ops.gated_delta_rule.default, ops.linear_recurrence.default)]
         assert len(scans) == n_mixers, name
         assert sorted(n.args[7] if n.target == ops.mamba2_scan.default else n.args[-1]
                       for n in scans) == list(range(n_mixers))

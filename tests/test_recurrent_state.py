@@ -3,7 +3,8 @@
 - ``mamba2_forward`` (the torch kernel of ``devin::mamba2_scan``) against a plain token-by-token recurrence
   written here (conv window shifted one token at a time, ``S ← exp(dt·A)·S + dt·x⊗B``, ``y = S·C + D·x``), over
   several sequences split into random steps (prefill chunks continuing from stored states, decode tokens,
-  sequences mixed in one step), and its chunked form against transformers' own ``mamba2_chunk_scan``;
+  sequences mixed in one step), and its chunked form against transformers' own ``mamba2_chunk_scan``; the Mamba v1,
+  gated DeltaNet and RG-LRU kernels over step splits against transformers' full-sequence paths;
 - the pool: random admit / step / finish / abort / preempt sequences through a real Engine (a tiny Bamba with a
   KV pool small enough to preempt) never leak a slot, never share one, and never leave one to a sequence
   that is not running;
@@ -183,6 +184,45 @@ def test_gated_delta_rule_matches_transformers_over_step_splits():
         want, _ = torch_chunk_gated_delta_rule(q, k, v, g=gg, beta=beta, chunk_size=4, output_final_state=True,
                                                use_qk_l2norm_in_kernel=True)
         assert torch.allclose(torch.cat(outs[b_]), want[0], atol=1e-5, rtol=1e-4), f"sequence {b_}"
+
+
+def test_rglru_conv_and_scan_match_transformers_over_step_splits():
+    """RecurrentGemma: the conv without SiLU and the linear recurrence h_t = a_t·h_{t-1} + x_t run as [prefill
+    chunk, prefill chunk, decode, decode] steps of two sequences against transformers' full-sequence path (its
+    ``conv_1d`` with causal padding, ``RecurrentGemmaRglru._rnn_scan`` reset at position 0)."""
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    from devin_compile.backends.recurrent.conv import causal_conv_step
+    from devin_compile.backends.recurrent.linear_scan import linear_scan_step
+
+    g = torch.Generator().manual_seed(11)
+    W, K = 10, 4
+    w, b = torch.randn(W, K, generator=g) * 0.5, torch.randn(W, generator=g) * 0.1
+    lens, cuts = [13, 9], [[0, 5, 11, 12, 13], [0, 7, 8, 9]]
+    data = [(torch.randn(n, W, generator=g), torch.rand(n, W, generator=g), torch.randn(n, W, generator=g))
+            for n in lens]  # conv input, a, x
+    pool = StatePool([((W, K - 1), (W,))], 2)
+    slots = [pool.allocate("a"), pool.allocate("b")]
+    conv_out, scan_out = [[], []], [[], []]
+    for s in range(4):
+        live = [b_ for b_ in range(2) if s + 1 < len(cuts[b_])]
+        spans = [(cuts[b_][s], cuts[b_][s + 1]) for b_ in live]
+        cat = [torch.cat([data[b_][k][a:e] for b_, (a, e) in zip(live, spans)]) for k in range(3)]
+        rows = StepRows.plan([e - a for a, e in spans], [a for a, _ in spans], [slots[b_] for b_ in live], "cpu")
+        u = causal_conv_step(cat[0], w, b, pool.layer(0)[0], rows, silu=False)
+        h = linear_scan_step(cat[1], cat[2], pool.layer(0)[1], rows)
+        off = 0
+        for b_, (a, e) in zip(live, spans):
+            conv_out[b_].append(u[off:off + e - a])
+            scan_out[b_].append(h[off:off + e - a])
+            off += e - a
+    for b_, n in enumerate(lens):
+        u, a, x = data[b_]
+        want_u = F.conv1d(u.t()[None], w[:, None, :], b, padding=K - 1, groups=W)[0, :, :n].t()
+        reset = (torch.arange(n) == 0)[None, :, None]
+        want_h, _ = RecurrentGemmaRglru._rnn_scan(None, x[None], a[None], reset, None)
+        assert torch.allclose(torch.cat(conv_out[b_]), want_u, atol=1e-5, rtol=1e-4), f"conv, sequence {b_}"
+        assert torch.allclose(torch.cat(scan_out[b_]), want_h[0], atol=1e-5, rtol=1e-4), f"scan, sequence {b_}"
 
 
 def test_state_pool_slots():

@@ -36,7 +36,7 @@ class ModelInfo:
     # The most tokens one step may pack, when the captured graph holds only up to a bound (a branch the
     # model takes only for short inputs, e.g. XGLM's sinusoidal table; see capture.export); None: any.
     max_step_tokens: int | None = None
-    # Recurrent layers (Mamba2-style mixers, capture/recurrent.py), in the order of devin::mamba2_scan's
+    # Recurrent layers (Mamba/Mamba2 mixers, gated DeltaNet, RG-LRU; capture/recurrent.py), in the order of the ops'
     # ``layer``: their module paths and each one's state shapes (per sequence, without the slot dimension).
     # With them, ``num_layers`` counts the attention layers only (the paged KV cache's layers).
     recurrent_modules: list[str] = field(default_factory=list)

@@ -1,27 +1,40 @@
-"""Recurrent mixers: recognised by structure, checked on a probe, captured as one ``devin::`` op each.
+"""Recurrent layers: recognised by structure, checked on a probe, their stateful steps captured as ``devin::`` ops.
 
 Pattern → replacement (applied to the module's ``forward`` only while torch.export traces it):
 
-    HF Mamba2-style mixer (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer, NemotronH's, ...):
-        in_proj → split(gate, xBC, dt) → causal_conv1d_forward (+ conv state) → split(x, B, C)
-        → mamba2_scan_forward (+ SSM state) → norm(y, gate) → out_proj
-    →   in_proj → split(gate, xBC, dt) → devin::mamba2_scan(xBC, dt, conv/scan weights, layer, sizes)
+    Mamba2 mixer (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer, NemotronHMamba2Mixer):
+        in_proj → split(gate, xBC, dt) → conv (+ conv state) → split(x, B, C) → SSD scan (+ SSM state)
         → norm(y, gate) → out_proj
+    →   in_proj → split → devin::mamba2_scan(xBC, dt, conv/scan weights, layer, sizes) → norm(y, gate)
+        → out_proj
 
-Why a module-level rewrite and not an FX pattern: HF's torch path unrolls the SSD scan into ~60 nodes whose
-shapes (chunk padding, the ``segment_sum`` masks) specialise on the example length, and it differs between
-families and releases; what stays stable is the module's structure (``in_proj``, ``conv1d``, ``A_log``,
-``D``, ``dt_bias``, a gated ``norm``, ``out_proj`` and the sizes), so that is what is recognised. The
-linears and the gated norm stay in the graph as HF wrote them (the passes still see them); only the
-stateful middle becomes one op, which reads its state slots and sequence boundaries from the step context
-as ``devin::paged_attention`` reads its block tables.
+    Mamba (v1) mixer (MambaMixer, FalconMambaMixer, JambaMambaMixer):
+        in_proj → chunk(x, z) → conv (+ state) → x_proj → split(dt, B, C) [→ dt/B/C norms]
+        → dt_proj.weight @ dt → selective scan (+ state) · silu(z) → out_proj
+    →   the same with devin::causal_conv1d(x, w, b, layer) and devin::selective_scan(x, dt, A_log, B, C, D, z,
+        dt_bias, layer) for the two stateful steps
 
-Invariants: a module is taken only when it has every attribute named in ``_MAMBA2_ATTRS`` (or
-``_MAMBA_ATTRS`` with a 2-D ``A_log``) and a SiLU
-activation, and when the replacement, run as a 7-token prefill then single-token decode steps over a
-scratch state, reproduces the module's own HF forward on a random input (``_probe``); otherwise capture
-fails with ``UnsupportedModelError`` naming the module and class. Any other recurrent construct (gated
-DeltaNet, RG-LRU, short convolutions, other mixers) is refused by name (``_REFUSED``).
+    gated DeltaNet (Qwen3NextGatedDeltaNet): in_proj_qkvz/ba → the module's head reordering → conv (+ state)
+        → split q, k, v → gates g, β → gated delta rule (+ state) → norm(o, z) → out_proj
+    →   the same with devin::causal_conv1d and devin::gated_delta_rule(q, k, v, g, β, layer)
+
+    RecurrentGemma recurrent block: act(linear_y) · RG-LRU(conv(linear_x)) → linear_out, the RG-LRU's gates from
+        each token (reset at position 0), its scan h_t = a_t·h_{t-1} + x_t (+ state)
+    →   the same with devin::causal_conv1d(..., silu=False) and devin::linear_recurrence(a, x, layer)
+
+Why a module-level rewrite and not an FX pattern: HF's torch paths unroll the scans into dozens of nodes whose
+shapes (chunk padding, ``segment_sum`` masks, per-token loops) specialise on the example length and differ
+between families and releases; what stays stable is the module's structure (its projections, conv, ``A_log``,
+gates, norms and sizes), so that is what is recognised. Everything around the stateful steps (linears, gates,
+norms) stays in the graph as HF wrote it (the passes still see the linears); the ops read their state slots and
+sequence boundaries from the step context as ``devin::paged_attention`` reads its block tables.
+
+Invariants: a module is taken only when it has every attribute its kind names (``_MAMBA2_ATTRS``,
+``_MAMBA_ATTRS`` with a 2-D ``A_log``, ``_DELTANET_ATTRS``, ``_RGLRU_ATTRS``) and a SiLU activation where the
+kind has one, and when the replacement, run as a 7-token prefill then single-token decode steps over a scratch
+state, reproduces the module's own HF forward on a random input (:func:`check_on_probe`); otherwise capture
+fails with ``UnsupportedModelError`` naming the module and class. Other recurrent constructs (short
+convolutions, other mixers) are refused by name (``_REFUSED``).
 """
 from __future__ import annotations
 
@@ -41,11 +54,12 @@ _MAMBA_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_pro
 _DELTANET_ATTRS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "dt_bias", "A_log", "norm", "out_proj",
                    "fix_query_key_value_ordering", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim",
                    "value_dim", "conv_dim")
-_NAMES = {"mamba2": "Mamba2", "mamba": "Mamba", "gated_deltanet": "gated DeltaNet"}
+_RGLRU_ATTRS = ("linear_y", "linear_x", "linear_out", "conv_1d", "rg_lru", "act_fn", "lru_width")
+_NAMES = {"mamba2": "Mamba2", "mamba": "Mamba", "gated_deltanet": "gated DeltaNet", "rglru": "RG-LRU"}
 # Class-name fragments of recurrent layers this compiler does not serve yet, and what they are.
 _REFUSED = (("GatedDeltaNet", "a gated DeltaNet layer of another layout (recurrent state)"),
-            ("RecurrentBlock", "RG-LRU recurrent block (recurrent state)"),
-            ("Rglru", "RG-LRU recurrence (recurrent state)"),
+            ("RecurrentBlock", "an RG-LRU recurrent block of another layout (recurrent state)"),
+            ("Rglru", "an RG-LRU recurrence outside a recognised block (recurrent state)"),
             ("ShortConv", "short causal convolution (conv state)"),
             ("MambaMixer", "Mamba v1 selective scan (recurrent state)"),
             ("Mamba", "a Mamba-style mixer (recurrent state)"),
@@ -57,7 +71,10 @@ _CONTAINERS = ("ForCausalLM", "Model", "DecoderLayer", "Layer", "Norm", "Embeddi
 
 def mixer_kind(mod: torch.nn.Module) -> str | None:
     """"mamba2" (SSD: scalar A per head, gated norm), "mamba" (v1: A [I, N], x_proj/dt_proj), "gated_deltanet"
-    (Qwen3-Next: fused qkvz/ba projections, delta rule over [Hv, Dk, Dv] states), or None."""
+    (Qwen3-Next: fused qkvz/ba projections, delta rule over [Hv, Dk, Dv] states), "rglru" (RecurrentGemma's
+    recurrent block: conv + RG-LRU), or None."""
+    if all(hasattr(mod, a) for a in _RGLRU_ATTRS) and isinstance(mod.conv_1d, torch.nn.Conv1d):
+        return "rglru"
     if not isinstance(getattr(mod, "conv1d", None), torch.nn.Conv1d):
         return None
     if all(hasattr(mod, a) for a in _MAMBA2_ATTRS):
@@ -70,7 +87,8 @@ def mixer_kind(mod: torch.nn.Module) -> str | None:
 
 
 def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The model's Mamba / Mamba2 mixers in layer order; ``UnsupportedModelError`` for any other recurrent layer."""
+    """The model's recurrent layers that :func:`mixer_kind` names, in layer order; ``UnsupportedModelError`` for
+    any other recurrent layer."""
     found = []
     for name, mod in model.named_modules():
         cls = type(mod).__name__
@@ -85,14 +103,19 @@ def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
         for frag, what in _REFUSED:
             if frag in cls and not cls.endswith(_CONTAINERS):
                 raise UnsupportedModelError(
-                    f"{name} ({cls}): {what} is not supported yet; devin-compile serves Mamba and Mamba2 mixers "
-                    "(alone or beside attention). Way out: run this model with transformers directly.")
+                    f"{name} ({cls}): {what} is not supported yet; devin-compile serves Mamba and Mamba2 mixers, "
+                    "gated DeltaNet and RG-LRU blocks of the layouts transformers writes (alone or beside attention). "
+                    "Way out: run this model with transformers directly.")
     return found
 
 
 def state_shapes(mod: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(conv window [Cd, K-1], SSM state): [H, P, N] for a Mamba2 mixer, [I, N] for a Mamba one."""
-    k, kind = mod.conv1d.kernel_size[0] - 1, mixer_kind(mod)
+    """(conv window [Cd, K-1], recurrent state): [H, P, N] for a Mamba2 mixer, [I, N] for a Mamba one,
+    [Hv, Dk, Dv] for a gated DeltaNet, [W] for an RG-LRU block."""
+    kind = mixer_kind(mod)
+    if kind == "rglru":
+        return ((mod.lru_width, mod.conv_1d.kernel_size[0] - 1), (mod.lru_width,))
+    k = mod.conv1d.kernel_size[0] - 1
     if kind == "mamba2":
         return ((mod.conv_dim, k), (mod.num_heads, mod.head_dim, mod.ssm_state_size))
     if kind == "gated_deltanet":
@@ -139,9 +162,40 @@ def _gated_delta_forward(mod: torch.nn.Module, layer: int):
     return forward
 
 
+def _rglru_inputs(lru: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
+    """RG-LRU's per-token gates, as HF's ``RecurrentGemmaRglru.forward`` computes them before its scan:
+    (a, normalised x) with ``h_t = a_t·h_{t-1} + x_t``; a position-0 token resets (a = 0, x not scaled)."""
+    B, T, W = x.shape
+    reset = position_ids[:, :, None] == 0
+    act = x.reshape(B * T, lru.num_attention_heads, lru.block_width).permute(1, 0, 2)
+    gate_x = torch.sigmoid(torch.baddbmm(lru.input_gate_bias[:, None, :], act, lru.input_gate_weight)
+                           .transpose(0, 1).reshape(B, T, W))
+    gate_a = torch.sigmoid(torch.baddbmm(lru.recurrent_gate_bias[:, None, :], act, lru.recurrent_gate_weight)
+                           .transpose(0, 1).reshape(B, T, W))
+    log_a = -8.0 * gate_a * F.softplus(lru.recurrent_param)
+    mult = torch.sqrt(1 - torch.exp(2 * log_a))
+    mult = reset + ~reset * mult
+    return torch.exp(log_a) * ~reset, x * gate_x * mult.type(x.dtype)
+
+
+def _rglru_forward(mod: torch.nn.Module, layer: int):
+    """RecurrentGemma's recurrent block with ``devin::causal_conv1d(silu=False)`` and ``devin::linear_recurrence``;
+    its linears, activation and the RG-LRU gates stay in the graph."""
+
+    def forward(input_states: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        y = mod.act_fn(mod.linear_y(input_states))
+        x = torch.ops.devin.causal_conv1d(mod.linear_x(input_states), mod.conv_1d.weight.squeeze(1),
+                                          mod.conv_1d.bias, layer, False)
+        a, x = _rglru_inputs(mod.rg_lru, x, position_ids)
+        h = torch.ops.devin.linear_recurrence(a, x, layer)
+        return mod.linear_out(h * y), None
+
+    return forward
+
+
 def _forward_for(mod: torch.nn.Module, layer: int):
-    kind = mixer_kind(mod)
-    make = _mamba2_forward if kind == "mamba2" else _mamba_forward if kind == "mamba" else _gated_delta_forward
+    make = {"mamba2": _mamba2_forward, "mamba": _mamba_forward, "gated_deltanet": _gated_delta_forward,
+            "rglru": _rglru_forward}[mixer_kind(mod)]
     return make(mod, layer)
 
 
@@ -184,11 +238,19 @@ class _ProbeStates:
         return self.t
 
 
-def _step(fwd, x: torch.Tensor, states: _ProbeStates, context: int) -> torch.Tensor:
+def _call(fwd, x: torch.Tensor, start: int, rglru: bool) -> torch.Tensor:
+    """``fwd`` on x [1, n, W] at positions start.. (RecurrentGemma's blocks take positions and return a pair)."""
+    if not rglru:
+        return fwd(x)
+    pos = torch.arange(start, start + x.shape[1], device=x.device)[None]
+    return fwd(x, pos, None, use_cache=False)[0]
+
+
+def _step(fwd, x: torch.Tensor, states: _ProbeStates, context: int, rglru: bool) -> torch.Tensor:
     n = x.shape[1]
     meta = AttentionMetadata.build([n], [context + n], [[0]], list(range(n)), x.device)
     with step_context(StepContext(meta, None, None, None, StateStep(states, [0]))):
-        return fwd(x)
+        return _call(fwd, x, context, rglru)
 
 
 def check_on_probe(name: str, mod: torch.nn.Module, tokens: int = 11, prefill: int = 7) -> None:
@@ -198,15 +260,16 @@ def check_on_probe(name: str, mod: torch.nn.Module, tokens: int = 11, prefill: i
 
     p = next(mod.parameters())
     gen = torch.Generator().manual_seed(0)
-    width = mod.out_proj.out_features  # the mixer reads and writes the model width
+    width = (mod.linear_out if mixer_kind(mod) == "rglru" else mod.out_proj).out_features  # the model width
     x = torch.randn(1, tokens, width, generator=gen).to(p.device, p.dtype)
     tol = 1e-4 if p.dtype == torch.float32 else 3e-2
     try:
         with torch.no_grad():
-            ref = mod(x).float()
+            rglru = mixer_kind(mod) == "rglru"
+            ref = _call(mod, x, 0, rglru).float()
             states, fwd = _ProbeStates(state_shapes(mod), p.device), _forward_for(mod, 0)
-            outs = [_step(fwd, x[:, :prefill], states, 0)]
-            outs += [_step(fwd, x[:, t:t + 1], states, t) for t in range(prefill, tokens)]
+            outs = [_step(fwd, x[:, :prefill], states, 0, rglru)]
+            outs += [_step(fwd, x[:, t:t + 1], states, t, rglru) for t in range(prefill, tokens)]
         ours = torch.cat(outs, dim=1).float()
         err = (ours - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
     except Exception as e:  # noqa: BLE001  (a mixer whose parts are called differently: not this pattern)

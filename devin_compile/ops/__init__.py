@@ -11,4 +11,4 @@ from . import grouped_linear  # noqa: F401,E402  (registers devin::grouped_linea
 from . import moe_experts  # noqa: F401,E402  (registers devin::moe_experts)
 from . import packed_gemm_linear  # noqa: F401,E402  (registers devin::packed_gemm_linear)
 from . import mamba2_scan  # noqa: F401,E402  (registers devin::mamba2_scan)
-from . import mamba_scan  # noqa: F401,E402  (registers devin::causal_conv1d, devin::selective_scan)
+from . import recurrent_state  # noqa: F401,E402  (registers the other recurrent-state ops)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.recurrent.mamba2 import Mamba2Shape, mamba2_forward
-from .mamba_scan import step_rows
+from .recurrent_state import step_rows
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("mamba2_scan(Tensor xbc, Tensor dt, Tensor conv_weight, Tensor? conv_bias, Tensor dt_bias, "

@@ -367,8 +367,9 @@ def _check_recurrent(prefix_caching: bool, kv_prune, kv_tiers, speculative) -> N
                (speculative is not None, "speculative decoding", "drop speculative=")]
     for on, what, way_out in refused:
         if on:
-            raise ValueError(f"{what} cannot serve a model with recurrent layers (Mamba2 mixers keep a per-sequence "
-                             f"state that KV blocks do not hold and that is not rolled back); {way_out}")
+            raise ValueError(f"{what} cannot serve a model with recurrent layers (Mamba, gated DeltaNet and RG-LRU "
+                             "layers keep a per-sequence state that KV blocks do not hold and that is not rolled "
+                             f"back); {way_out}")
 
 
 def _split_rows(scheduled: list[ScheduledSeq], owners: list[int]):
