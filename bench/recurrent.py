@@ -7,8 +7,9 @@ The model is built from transformers' BambaConfig with seeded random weights (fp
 attention, the rest Mamba2 mixers; nothing is downloaded). HF eager runs its own torch path for the mixers
 (``causal_conv1d_update`` / ``selective_state_update`` reference code: mamba_ssm and causal_conv1d are GPU
 kernels); devin-compile runs ``devin::mamba2_scan`` over its state pool. Both engines run the same prompt,
-greedy, exactly ``--new-tokens`` tokens, batch 1, their repeats interleaved; figures are medians. Also checks
-the greedy tokens agree. Writes bench/results/recurrent.json.
+greedy, exactly ``--new-tokens`` tokens, batch 1, their repeats interleaved (HF, devin-compile, HF, ...; each
+repeat after its own excluded warm-up run, and a whole first round excluded) so load drifting on a shared machine
+skews both alike; figures are medians. Also checks the greedy tokens agree. Writes bench/results/recurrent.json.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import warnings
 
@@ -24,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
-from devin_compile.benchmarking import time_devin_decode, time_hf_decode  # noqa: E402
+from devin_compile.benchmarking import DecodeTiming, time_devin_decode, time_hf_decode  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -48,6 +50,12 @@ def tiny_hybrid(hidden: int, layers: int):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
+def _median(timings: list) -> DecodeTiming:
+    """One timing whose tokens/s and TTFT are the medians of ``timings`` (their tokens: the last run's)."""
+    return DecodeTiming(timings[0].name, statistics.median(t.decode_tok_s for t in timings),
+                        statistics.median(t.ttft_s for t in timings), timings[-1].tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -61,8 +69,11 @@ def main() -> None:
     model = tiny_hybrid(args.hidden, args.layers)
     ids = torch.randint(3, 4096, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     opt = devin_compile.optimize(model)
-    hf = time_hf_decode(model, ids, args.new_tokens, args.repeats)
-    dv = time_devin_decode(opt, ids, args.new_tokens, args.repeats)
+    # One round discarded first: the first engine runs after optimize() are still slow (lazy kernel builds and
+    # first-touch of the step shapes), beyond time_devin_decode's own warm-up run.
+    runs = [(time_hf_decode(model, ids, args.new_tokens, 1), time_devin_decode(opt, ids, args.new_tokens, 1))
+            for _ in range(args.repeats + 1)][1:]
+    hf, dv = (_median([r[i] for r in runs]) for i in (0, 1))
     row = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "hidden": args.hidden, "layers": args.layers, "mixers": len(opt.info.recurrent_modules),
            "prompt_tokens": len(ids), "new_tokens": args.new_tokens, "repeats": args.repeats,
