@@ -165,14 +165,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # rotary); embeddings scaled by a bf16 sqrt(hidden), logits soft-capped
     _f("recurrent_gemma", windows=(12,), chunks=(-1,),
        config=dict(lru_width=64, attention_window_size=12, block_types=["recurrent", "attention"])),
+    # gated short convolution (conv window state only, conv_bias on) beside attention with q/k norms
+    _f("lfm2", windows=(-1,), chunks=(-1,), config=dict(layer_types=["conv", "full_attention"], conv_bias=True)),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
 # (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
 _REC = "UnsupportedModelError"
 UNSUPPORTED: dict[str, tuple] = {
-    "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"]), "eager", _REC, r"ShortConv\): short causal conv",
-             "gated short convolutions (conv state)"),
     "falcon_h1": ("falcon_h1", dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
                                     mamba_d_state=16, mamba_chunk_size=8), "eager", _REC,
                   r"FalconH1Mixer\) looks like a Mamba2 mixer but .* probe",

@@ -18,6 +18,10 @@ Pattern → replacement (applied to the module's ``forward`` only while torch.ex
         → split q, k, v → gates g, β → gated delta rule (+ state) → norm(o, z) → out_proj
     →   the same with devin::causal_conv1d and devin::gated_delta_rule(q, k, v, g, β, layer)
 
+    gated short convolution (Lfm2ShortConv): in_proj → chunk(B, C, x) → C · conv(B · x) (+ conv state)
+        → out_proj
+    →   the same with devin::causal_conv1d(B · x, w, b, layer, silu=False)
+
     RecurrentGemma recurrent block: act(linear_y) · RG-LRU(conv(linear_x)) → linear_out, the RG-LRU's gates from
         each token (reset at position 0), its scan h_t = a_t·h_{t-1} + x_t (+ state)
     →   the same with devin::causal_conv1d(..., silu=False) and devin::linear_recurrence(a, x, layer)
@@ -30,11 +34,12 @@ norms) stays in the graph as HF wrote it (the passes still see the linears); the
 sequence boundaries from the step context as ``devin::paged_attention`` reads its block tables.
 
 Invariants: a module is taken only when it has every attribute its kind names (``_MAMBA2_ATTRS``,
-``_MAMBA_ATTRS`` with a 2-D ``A_log``, ``_DELTANET_ATTRS``, ``_RGLRU_ATTRS``) and a SiLU activation where the
+``_MAMBA_ATTRS`` with a 2-D ``A_log``, ``_DELTANET_ATTRS``, ``_RGLRU_ATTRS``, ``_SHORTCONV_ATTRS`` with a 3x wide
+``in_proj``) and a SiLU activation where the
 kind has one, and when the replacement, run as a 7-token prefill then single-token decode steps over a scratch
 state, reproduces the module's own HF forward on a random input (:func:`check_on_probe`); otherwise capture
-fails with ``UnsupportedModelError`` naming the module and class. Other recurrent constructs (short
-convolutions, other mixers) are refused by name (``_REFUSED``).
+fails with ``UnsupportedModelError`` naming the module and class. Other recurrent constructs (other layouts,
+other mixers) are refused by name (``_REFUSED``).
 """
 from __future__ import annotations
 
@@ -55,12 +60,14 @@ _DELTANET_ATTRS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "dt_bias", "A_log", "
                    "fix_query_key_value_ordering", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim",
                    "value_dim", "conv_dim")
 _RGLRU_ATTRS = ("linear_y", "linear_x", "linear_out", "conv_1d", "rg_lru", "act_fn", "lru_width")
-_NAMES = {"mamba2": "Mamba2", "mamba": "Mamba", "gated_deltanet": "gated DeltaNet", "rglru": "RG-LRU"}
+_SHORTCONV_ATTRS = ("in_proj", "conv", "out_proj", "conv_kernel_size")
+_NAMES = {"mamba2": "Mamba2", "mamba": "Mamba", "gated_deltanet": "gated DeltaNet", "rglru": "RG-LRU",
+          "shortconv": "short convolution"}
 # Class-name fragments of recurrent layers this compiler does not serve yet, and what they are.
 _REFUSED = (("GatedDeltaNet", "a gated DeltaNet layer of another layout (recurrent state)"),
             ("RecurrentBlock", "an RG-LRU recurrent block of another layout (recurrent state)"),
             ("Rglru", "an RG-LRU recurrence outside a recognised block (recurrent state)"),
-            ("ShortConv", "short causal convolution (conv state)"),
+            ("ShortConv", "a short causal convolution of another layout (conv state)"),
             ("MambaMixer", "Mamba v1 selective scan (recurrent state)"),
             ("Mamba", "a Mamba-style mixer (recurrent state)"),
             ("Mixer", "a state-space mixer (recurrent state)"))
@@ -72,9 +79,12 @@ _CONTAINERS = ("ForCausalLM", "Model", "DecoderLayer", "Layer", "Norm", "Embeddi
 def mixer_kind(mod: torch.nn.Module) -> str | None:
     """"mamba2" (SSD: scalar A per head, gated norm), "mamba" (v1: A [I, N], x_proj/dt_proj), "gated_deltanet"
     (Qwen3-Next: fused qkvz/ba projections, delta rule over [Hv, Dk, Dv] states), "rglru" (RecurrentGemma's
-    recurrent block: conv + RG-LRU), or None."""
+    recurrent block: conv + RG-LRU), "shortconv" (LFM2's gated short convolution: conv state only), or None."""
     if all(hasattr(mod, a) for a in _RGLRU_ATTRS) and isinstance(mod.conv_1d, torch.nn.Conv1d):
         return "rglru"
+    if (all(hasattr(mod, a) for a in _SHORTCONV_ATTRS) and isinstance(mod.conv, torch.nn.Conv1d)
+            and isinstance(mod.in_proj, torch.nn.Linear) and mod.in_proj.out_features == 3 * mod.conv.in_channels):
+        return "shortconv"
     if not isinstance(getattr(mod, "conv1d", None), torch.nn.Conv1d):
         return None
     if all(hasattr(mod, a) for a in _MAMBA2_ATTRS):
@@ -109,10 +119,12 @@ def recurrent_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return found
 
 
-def state_shapes(mod: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def state_shapes(mod: torch.nn.Module) -> tuple[tuple[int, ...], ...]:
     """(conv window [Cd, K-1], recurrent state): [H, P, N] for a Mamba2 mixer, [I, N] for a Mamba one,
-    [Hv, Dk, Dv] for a gated DeltaNet, [W] for an RG-LRU block."""
+    [Hv, Dk, Dv] for a gated DeltaNet, [W] for an RG-LRU block; a short convolution has the window only."""
     kind = mixer_kind(mod)
+    if kind == "shortconv":
+        return ((mod.conv.in_channels, mod.conv.kernel_size[0] - 1),)
     if kind == "rglru":
         return ((mod.lru_width, mod.conv_1d.kernel_size[0] - 1), (mod.lru_width,))
     k = mod.conv1d.kernel_size[0] - 1
@@ -193,9 +205,21 @@ def _rglru_forward(mod: torch.nn.Module, layer: int):
     return forward
 
 
+def _short_conv_forward(mod: torch.nn.Module, layer: int):
+    """LFM2's gated short convolution with its conv as ``devin::causal_conv1d(silu=False)``; the projections and
+    the B, C gates stay in the graph (padding needs no mask: padded rows are never in a step)."""
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        b, c, x = mod.in_proj(hidden_states).chunk(3, dim=-1)
+        h = torch.ops.devin.causal_conv1d(b * x, mod.conv.weight.squeeze(1), mod.conv.bias, layer, False)
+        return mod.out_proj(c * h)
+
+    return forward
+
+
 def _forward_for(mod: torch.nn.Module, layer: int):
     make = {"mamba2": _mamba2_forward, "mamba": _mamba_forward, "gated_deltanet": _gated_delta_forward,
-            "rglru": _rglru_forward}[mixer_kind(mod)]
+            "rglru": _rglru_forward, "shortconv": _short_conv_forward}[mixer_kind(mod)]
     return make(mod, layer)
 
 
