@@ -89,6 +89,10 @@ _GRANITE_MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_
                       mamba_chunk_size=8, mamba_expand=1)
 _BAMBA = dict(_GRANITE_MAMBA, attn_layer_indices=[1])
 _MAMBA1 = dict(state_size=8, intermediate_size=128, time_step_rank=8)
+_FALCON_H1 = dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+                  mamba_chunk_size=8, ssm_multipliers=[0.9, 1.2, 0.8, 1.1, 0.7], ssm_in_multiplier=0.6,
+                  ssm_out_multiplier=1.3, key_multiplier=0.8, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+                  mlp_multipliers=[1.2, 0.8], embedding_multiplier=1.5, lm_head_multiplier=0.7)
 
 # Families that compile and must match HF. Comments name what each one exercises.
 FAMILIES: dict[str, Family] = {f.name: f for f in [
@@ -167,17 +171,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
        config=dict(lru_width=64, attention_window_size=12, block_types=["recurrent", "attention"])),
     # gated short convolution (conv window state only, conv_bias on) beside attention with q/k norms
     _f("lfm2", windows=(-1,), chunks=(-1,), config=dict(layer_types=["conv", "full_attention"], conv_bias=True)),
+    # Falcon-H1: a Mamba2 mixer beside attention in every layer (parallel), muP multipliers everywhere (ssm in/out,
+    # a per-section vector on in_proj's output, key, attention in/out, MLP, embeddings, lm_head); no gated norm
+    # (y · silu(gate)) by default, the gated RMSNorm in the second variant
+    _f("falcon_h1", config=_FALCON_H1),
+    _f("falcon_h1_norm", "falcon_h1", config=dict(_FALCON_H1, mamba_rms_norm=True)),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
 # (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
-_REC = "UnsupportedModelError"
-UNSUPPORTED: dict[str, tuple] = {
-    "falcon_h1": ("falcon_h1", dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
-                                    mamba_d_state=16, mamba_chunk_size=8), "eager", _REC,
-                  r"FalconH1Mixer\) looks like a Mamba2 mixer but .* probe",
-                  "Mamba2 mixer with muP multipliers / no gated norm: the probe against HF refuses it"),
-}
+UNSUPPORTED: dict[str, tuple] = {}
 
 # Falcon's new decoder architecture (GQA): before transformers 5.25 its attention repeats the KV
 # heads by broadcast_to in a [T, Hkv, G, D] layout before the transpose, which capture refuses;

@@ -21,7 +21,8 @@ PROMPT_LENS = (5, 19, 37)
 NEW_TOKENS = [32, 40, 48]
 NUM_KV_BLOCKS = 26  # 26 x 4 slots: the longest request (85 tokens, 22 blocks) fits alone, not all three
 RECURRENT = [name for name in ("bamba", "granitemoehybrid", "nemotron_h", "mamba2", "mamba", "falcon_mamba", "jamba",
-                               "qwen3_next", "recurrent_gemma", "lfm2") if name in FAMILIES]
+                               "qwen3_next", "recurrent_gemma", "lfm2", "falcon_h1", "falcon_h1_norm")
+             if name in FAMILIES]
 
 
 @pytest.fixture(scope="module", autouse=True)

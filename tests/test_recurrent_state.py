@@ -8,7 +8,8 @@
 - the pool: random admit / step / finish / abort / preempt sequences through a real Engine (a tiny Bamba with a
   KV pool small enough to preempt) never leak a slot, never share one, and never leave one to a sequence
   that is not running;
-- what recurrent models refuse (speculation, KV pruning, compile_decode, tiers) and that prefix caching is off.
+- what recurrent models refuse (speculation, KV pruning, compile_decode, tiers) and that prefix caching is off;
+  a recurrent layer of another layout refused by name, one that computes something else refused on the probe.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAMILIES
+from conftest import FAMILIES, build_model
 from devin_compile import optimize
+from devin_compile.capture import UnsupportedModelError
 from devin_compile.backends.recurrent.mamba2 import Mamba2Shape, mamba2_forward, scan_chunked
 from devin_compile.backends.recurrent.step_rows import StepRows
 from devin_compile.runtime.sampling import SamplingParams
@@ -314,3 +316,30 @@ def test_recurrent_models_refuse_stateless_features(tiny_model, option, pattern)
 def test_prefix_caching_is_off_for_recurrent_models(bamba_engine):
     assert bamba_engine.kv.prefix_cache is None
     assert FAMILIES["bamba"].model_type == "bamba"
+
+
+def _fresh(family: str):
+    """A model of ``family`` built anew (the cached ``tiny_model`` ones must not be changed)."""
+    fam = FAMILIES[family]
+    return build_model(fam.model_type, fam.config, fam.impls[-1])
+
+
+def test_recurrent_layer_of_another_layout_is_refused_by_name():
+    """A short convolution missing a part the recognised layout has is not guessed at: refused naming it."""
+    model = _fresh("lfm2")
+    conv = next(m for m in model.modules() if type(m).__name__ == "Lfm2ShortConv")
+    del conv.conv_kernel_size
+    with pytest.raises(UnsupportedModelError, match=r"\(Lfm2ShortConv\): a short causal convolution of another "
+                                                    r"layout .* Way out"):
+        optimize(model, num_kv_blocks=8)
+
+
+def test_mixer_computing_something_else_is_refused_on_the_probe():
+    """A Mamba2 mixer whose forward computes something other than the recognised layout (here its output scaled
+    after out_proj) fails the probe against its own forward and is refused, never compiled silently."""
+    model = _fresh("bamba")
+    mixer = next(m for m in model.modules() if type(m).__name__ == "BambaMixer")
+    mixer.forward = lambda h, *a, **k: type(mixer).forward(mixer, h, *a, **k) * 1.01
+    with pytest.raises(UnsupportedModelError, match=r"\(BambaMixer\) looks like a Mamba2 mixer but the recurrent ops "
+                                                    r"do not reproduce its forward on a probe"):
+        optimize(model, num_kv_blocks=8)

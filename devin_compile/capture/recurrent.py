@@ -2,7 +2,8 @@
 
 Pattern → replacement (applied to the module's ``forward`` only while torch.export traces it):
 
-    Mamba2 mixer (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer, NemotronHMamba2Mixer):
+    Mamba2 mixer (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer, NemotronHMamba2Mixer, FalconH1Mixer with
+    its muP multipliers on in_proj's input and output and y · silu(gate) where it has no norm):
         in_proj → split(gate, xBC, dt) → conv (+ conv state) → split(x, B, C) → SSD scan (+ SSM state)
         → norm(y, gate) → out_proj
     →   in_proj → split → devin::mamba2_scan(xBC, dt, conv/scan weights, layer, sizes) → norm(y, gate)
@@ -224,17 +225,22 @@ def _forward_for(mod: torch.nn.Module, layer: int):
 
 
 def _mamba2_forward(mod: torch.nn.Module, layer: int):
-    """``mod``'s forward with the conv + scan as ``devin::mamba2_scan`` (recurrent layer ``layer``)."""
+    """``mod``'s forward with the conv + scan as ``devin::mamba2_scan`` (recurrent layer ``layer``). Falcon-H1's
+    muP multipliers (``ssm_in_multiplier`` on the input, ``mup_vector`` on ``in_proj``'s output) and its
+    optional norm (``nn.Identity``: ``y · silu(gate)`` instead) are applied as HF does."""
     lo, hi = (float(v) for v in mod.time_step_limit)
+    scale_in, mup = getattr(mod, "ssm_in_multiplier", None), getattr(mod, "mup_vector", None)
+    gated_norm = not isinstance(mod.norm, torch.nn.Identity)
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         dtype = hidden_states.dtype
-        proj = mod.in_proj(hidden_states)
+        proj = mod.in_proj(hidden_states if scale_in is None else hidden_states * scale_in)
+        proj = proj if mup is None else proj * mup
         gate, xbc, dt = proj.split([mod.intermediate_size, mod.conv_dim, mod.num_heads], dim=-1)
         y = torch.ops.devin.mamba2_scan(xbc, dt, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.dt_bias,
                                         mod.A_log, mod.D, layer, mod.num_heads, mod.head_dim, mod.n_groups,
                                         mod.ssm_state_size, mod.chunk_size, lo, hi if hi != float("inf") else -1.0)
-        y = mod.norm(y, gate)
+        y = mod.norm(y, gate) if gated_norm else y * F.silu(gate)
         return mod.out_proj(y.to(dtype))
 
     return forward
