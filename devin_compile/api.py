@@ -119,8 +119,11 @@ def _check_recurrent_options(config: OptimizeConfig) -> None:
     """Options a model with recurrent layers (Mamba, gated DeltaNet, RG-LRU: a state pool beside the KV cache)
     cannot take, each refused by name before any work (prefix caching, on by default, is turned off by
     ``build_engine``)."""
-    refused = [(config.speculative is not None, "speculative=", "the state would need rolling back after "
-                "rejected proposals, and no snapshot is kept"),
+    spec = config.speculative
+    from_target = spec is not None and (spec.method == "head" or isinstance(spec.model, str))  # head, self-int4
+    refused = [(from_target, "speculative= with a draft made from the target", "that draft has the target's "
+                "recurrent layers, whose own state a draft proposer does not roll back (use method='ngram' or a "
+                "draft model without recurrent layers)"),
                (config.kv_prune is not None, "kv_prune=", "pruning K/V does not prune a recurrent state"),
                (bool(config.kv_cache_tiers), "kv_cache_tiers=", "KV blocks do not hold the recurrent state"),
                (config.compile_decode, "compile_decode=True", "the ahead-compiled decode steps carry no state slots"),

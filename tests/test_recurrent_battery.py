@@ -75,3 +75,58 @@ def test_graph_has_one_scan_per_mixer(family, tiny_model):
         # one scan per layer, except short convolutions (LFM2): a conv window and no scan
         assert sorted(scan_layers) == list(range(n_mixers)) if family != "lfm2" else not scans, name
         assert conv_layers == sorted(set(range(n_mixers)) - mamba2), name
+
+
+SPECULATIVE = [name for name in ("bamba", "mamba", "qwen3_next", "recurrent_gemma", "lfm2", "falcon_h1")
+               if name in FAMILIES]
+
+
+class _ScriptedProposer:
+    """Proposes each request's true greedy continuation (HF's), its last proposal made wrong on every other call:
+    verify steps then accept all proposals, or some and reject the rest, in a known mix."""
+
+    name = "scripted"
+
+    def __init__(self, want: dict[tuple, list[int]]) -> None:
+        self.want, self.calls = want, 0
+
+    def propose(self, requests):
+        from devin_compile.runtime.speculative.proposer import Draft
+
+        drafts = []
+        for r in requests:
+            self.calls += 1
+            done = len(r.seq.output_ids)
+            tokens = list(self.want[tuple(r.seq.prompt_ids)][done:done + r.num_tokens])
+            if tokens and self.calls % 2:
+                tokens[-1] = 3 + (tokens[-1] - 2) % 253  # another token (ids >= 3)
+            drafts.append(Draft(tokens))
+        return drafts
+
+    def release(self, seq) -> None:
+        pass
+
+
+@pytest.mark.parametrize("family", SPECULATIVE)
+def test_speculative_decoding_rolls_states_back(family, tiny_model, hf_reference):
+    """Speculation over recurrent layers: verify steps whose proposals are all accepted (the state after them
+    kept) and steps with rejections (the slot restored from its snapshot, the kept tokens recomputed), three
+    requests batched with preemption forced; greedy tokens equal HF's and no state slot leaks."""
+    fam = FAMILIES[family]
+    opt = optimize(tiny_model(family, fam.impls[-1]), block_size=4, num_kv_blocks=NUM_KV_BLOCKS,
+                   speculative=dict(method="ngram", num_tokens=3, adaptive=False))
+    prompts = _prompts()
+    want = {tuple(p): hf_reference.greedy(family, p, n) for p, n in zip(prompts, NEW_TOKENS)}
+    opt.engine.set_proposer(_ScriptedProposer(want))
+    got = opt.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for prompt, tokens in zip(prompts, got):
+        if tokens != want[tuple(prompt)]:
+            first = next(i for i, (a, b) in enumerate(zip(tokens, want[tuple(prompt)])) if a != b)
+            pytest.fail(f"{family}: prompt of {len(prompt)} tokens diverges from HF greedy at new token {first}: "
+                        f"{tokens[first:first + 5]} vs HF {want[tuple(prompt)][first:first + 5]}")
+    spec = opt.engine.spec
+    assert spec.totals.accepted > spec.totals.steps, "few proposals accepted: the kept-state path barely ran"
+    assert spec.rollback.restored > 0, "no proposal was rejected: the rollback path was not exercised"
+    assert opt.engine.metrics.preemptions > 0, "nothing preempted"
+    pool = opt.engine.runner.state_pool
+    assert pool.num_free == pool.num_slots, f"state slots leaked: {pool.owners()}"

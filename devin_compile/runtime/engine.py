@@ -64,7 +64,9 @@ class Engine:
             raise ValueError("kv_tiers need prefix caching on and must be built over this runner's KV pool")
         states = getattr(runner, "state_pool", None)
         if states is not None:
-            _check_recurrent(enable_prefix_caching, kv_prune, kv_tiers, speculative)
+            _check_recurrent(enable_prefix_caching, kv_prune, kv_tiers)
+            if speculative is not None:
+                speculative.track_states(states)
         arena_reuse.install()  # CPython < 3.13: keep op calls off the frame-stack chunk boundary
         self.runner = runner
         self.config = config
@@ -311,6 +313,8 @@ class Engine:
             if config is None:
                 raise ValueError("this engine has no speculation yet: give the SpeculativeConfig with the proposer")
             self.spec = SpeculativeDecoder(config, proposer)
+            if self.kv.states is not None:
+                self.spec.track_states(self.kv.states)
             return
         self.spec.set_proposer(proposer, config)
 
@@ -357,19 +361,17 @@ class Engine:
         return stats
 
 
-def _check_recurrent(prefix_caching: bool, kv_prune, kv_tiers, speculative) -> None:
+def _check_recurrent(prefix_caching: bool, kv_prune, kv_tiers) -> None:
     """What a model with recurrent layers (a state pool) cannot run with: one clear error each. Their state
-    after a prefix is not in any KV block (no prefix caching or KV tiers, no snapshots kept), pruning K/V does
-    not prune a recurrent state, and rejected proposals would need the state rolled back (none is kept)."""
+    after a prefix is not in any KV block (no prefix caching or KV tiers, no snapshots kept), and pruning K/V
+    does not prune a recurrent state. (Speculation rolls the state back: speculative/state_rollback.py.)"""
     refused = [(prefix_caching, "prefix caching", "enable_prefix_caching=False (optimize() turns it off itself)"),
                (kv_tiers is not None, "kv_cache_tiers", "drop kv_cache_tiers="),
-               (kv_prune is not None, "KV pruning", "drop kv_prune="),
-               (speculative is not None, "speculative decoding", "drop speculative=")]
+               (kv_prune is not None, "KV pruning", "drop kv_prune=")]
     for on, what, way_out in refused:
         if on:
             raise ValueError(f"{what} cannot serve a model with recurrent layers (Mamba, gated DeltaNet and RG-LRU "
-                             "layers keep a per-sequence state that KV blocks do not hold and that is not rolled "
-                             f"back); {way_out}")
+                             f"layers keep a per-sequence state that KV blocks do not hold); {way_out}")
 
 
 def _split_rows(scheduled: list[ScheduledSeq], owners: list[int]):

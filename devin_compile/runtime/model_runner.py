@@ -133,7 +133,9 @@ class ModelRunner:
         longer than the row before (so it sees the rows before it and not those after; every
         backend writes a layer's new K/V before attending). A verify step of decoding sequences
         is then a pure decode step for the graphs and kernels (the decode graph, the C decode
-        kernel), and batch indices stay those of ``batch`` (KV pruning's rows).
+        kernel), and batch indices stay those of ``batch`` (KV pruning's rows). With recurrent layers the
+        proposals instead extend the sequence's own chunk (``1 + len(draft)`` tokens, a logits row each), so
+        the recurrent ops run through them from its state (``speculative/state_rollback.py`` undoes them).
 
         Prompt logprobs: after those rows come the rows of every item's ``scored`` positions (items in
         batch order, positions in order); ``len(owners)`` tells where they start."""
@@ -143,10 +145,12 @@ class ModelRunner:
         qlens, slens, tables, logit_rows, owners, prompt_rows = [], [], [], [], [], []
         proposals = []
         for i, item in enumerate(batch):
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed
+            seq, start = item.seq, item.seq.num_computed
+            # recurrent layers: the proposals extend the sequence's own chunk (the ops carry its state through them)
+            joined = item.draft if self.state_pool is not None else []
+            n = item.num_tokens + len(joined)
             prompt_rows.extend(len(ids) + p - start for p in item.scored)
-            ids.extend(seq.all_ids[start:start + n])
+            ids.extend(list(seq.all_ids[start:start + item.num_tokens]) + joined)
             pos.extend(range(start, start + n))
             table = seq.block_table
             s0 = seq.num_slots  # KV pruning: slots lag positions by the evicted tokens
@@ -154,10 +158,11 @@ class ModelRunner:
             qlens.append(n)
             slens.append(s0 + n)
             tables.append(table)
-            if start + n == seq.num_tokens:
-                logit_rows.append(len(ids) - 1)
-                owners.append(i)
-                proposals.extend((tok, start + n + j, s0 + n + j, table, i) for j, tok in enumerate(item.draft))
+            if start + item.num_tokens == seq.num_tokens:
+                logit_rows.extend(range(len(ids) - 1 - len(joined), len(ids)))
+                owners.extend([i] * (1 + len(joined)))
+                if not joined:
+                    proposals.extend((tok, start + n + j, s0 + n + j, table, i) for j, tok in enumerate(item.draft))
         for tok, p, slot, table, i in proposals:
             ids.append(tok)
             pos.append(p)
@@ -170,8 +175,6 @@ class ModelRunner:
         rows = logit_rows + prompt_rows
         # only mid-prompt chunks and no prompt scored: the graph still needs one logits row
         state_slots = [item.seq.state_slot for item in batch] if self.state_pool is not None else None
-        if state_slots is not None and proposals:
-            raise RuntimeError("speculative rows cannot run over recurrent layers (no state rollback)")
         logits = self.run(ids, pos, slots, qlens, slens, tables, rows or [len(ids) - 1], kv_prune, state_slots)
         if not rows:
             return logits[:0], []

@@ -67,6 +67,15 @@ class StatePool:
         self._owners[slot] = owner
         return slot
 
+    def read(self, slot: int) -> list[torch.Tensor]:
+        """A copy of ``slot``'s states, every layer's in order (speculation's snapshot)."""
+        return [t[slot].clone() for layer in self._layers for t in layer]
+
+    def write(self, slot: int, states: list[torch.Tensor]) -> None:
+        """Put back what :meth:`read` returned."""
+        for t, s in zip((t for layer in self._layers for t in layer), states):
+            t[slot].copy_(s)
+
     def free(self, slot: int) -> None:
         if slot not in self._owners:
             raise ValueError(f"state slot {slot} is not allocated (freed twice?)")
