@@ -56,6 +56,8 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     # Fail fast on unsupported models, before any copy; the mask probe (one forward) waits for a miss
     # when the compile cache may hold the program (whose ModelInfo has the masks' facts).
     info = model_info(model, probe_masks=_cache_root(config, None)[1] is not None)
+    if info.has_recurrent_state:
+        _check_recurrent_options(config)
     group, config = _rank_group(model, info, config)  # tensor_parallel > 1: checked before any weight moves
     offload_roles = set(check_offload_layers(model, list(config.offload_layers)).values())
     callers = model
@@ -162,6 +164,25 @@ def _rank_group(model: torch.nn.Module, info: ModelInfo,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return init_rank_group(tp, device), config
+
+
+def _check_recurrent_options(config: OptimizeConfig) -> None:
+    """Options a model with recurrent layers (Mamba, gated DeltaNet, RG-LRU: a state pool beside the KV cache)
+    cannot take, each refused by name before any work (prefix caching, on by default, is turned off by
+    ``build_engine``)."""
+    spec = config.speculative
+    from_target = spec is not None and (spec.method == "head" or isinstance(spec.model, str))  # head, self-int4
+    refused = [(from_target, "speculative= with a draft made from the target", "that draft has the target's "
+                "recurrent layers, whose own state a draft proposer does not roll back (use method='ngram' or a "
+                "draft model without recurrent layers)"),
+               (config.kv_prune is not None, "kv_prune=", "pruning K/V does not prune a recurrent state"),
+               (bool(config.kv_cache_tiers), "kv_cache_tiers=", "KV blocks do not hold the recurrent state"),
+               (config.compile_decode, "compile_decode=True", "the ahead-compiled decode steps carry no state slots"),
+               (config.tensor_parallel > 1, "tensor_parallel > 1", "the mixers are not split over ranks")]
+    for on, what, why in refused:
+        if on:
+            raise ValueError(f"{what} is not supported for models with recurrent layers (Mamba, gated DeltaNet, "
+                             f"RG-LRU): {why}; drop {what.split('=')[0].split(' ')[0]}")
 
 
 def _kept(quant, config: OptimizeConfig):

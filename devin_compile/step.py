@@ -129,6 +129,24 @@ class AttentionBackend(Protocol):
         ...
 
 
+class RecurrentStates(Protocol):
+    """What recurrent-layer ops read of the state pool (runtime.state_pool.StatePool implements it)."""
+
+    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Recurrent layer ``i``'s state tensors, each ``[num_slots, ...]`` (slot = one sequence)."""
+        ...
+
+
+@dataclass
+class StateStep:
+    """The recurrent half of one step: the state pool and each sequence's slot in it (in the order of
+    ``AttentionMetadata.query_start_loc``; -1: a padded row, which reads a zero state and writes nothing).
+    A sequence whose cached length before the step (``seq_lens - query_len``) is 0 starts from a zero state."""
+
+    pool: RecurrentStates
+    slots: list[int]
+
+
 @dataclass
 class StepContext:
     """What ops may read during one forward: metadata, the KV cache, the backend."""
@@ -137,6 +155,7 @@ class StepContext:
     kv_cache: PagedKV
     backend: AttentionBackend
     kv_prune: Any = None  # runtime.kv_prune.PruneStep on steps where a sequence prunes its KV cache
+    states: StateStep | None = None  # models with recurrent layers (Mamba2 mixers): their state slots
 
 
 _local = threading.local()

@@ -88,6 +88,17 @@ _MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_di
             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
             n_group=1, topk_group=1, num_key_value_heads=4)
 
+# Mamba2-style hybrid: layer 0 a Mamba2 mixer (2 groups of 2 heads of 16, state 16, conv 4), layer 1 attention;
+# chunk 8 so prompts span several scan chunks.
+_GRANITE_MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+                      mamba_chunk_size=8, mamba_expand=1)
+_BAMBA = dict(_GRANITE_MAMBA, attn_layer_indices=[1])
+_MAMBA1 = dict(state_size=8, intermediate_size=128, time_step_rank=8)
+_FALCON_H1 = dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+                  mamba_chunk_size=8, ssm_multipliers=[0.9, 1.2, 0.8, 1.1, 0.7], ssm_in_multiplier=0.6,
+                  ssm_out_multiplier=1.3, key_multiplier=0.8, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+                  mlp_multipliers=[1.2, 0.8], embedding_multiplier=1.5, lm_head_multiplier=0.7)
+
 # Families that compile and must match HF. Comments name what each one exercises.
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     # --- the core six: full battery, both attention implementations
@@ -139,13 +150,42 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # --- attention spelled another way: query scaled before bmm over [B·H, T, D] views, the mask clamped
     # with max(s, finfo.min), sinusoidal positions (whose table growth caps a step at 512 tokens)
     _f("xglm", gqa=False, impls=("eager",), config=dict(ffn_dim=128)),
+    # --- recurrent state (issue 42 part 4): Mamba2 mixers as devin::mamba2_scan over a state pool
+    _f("bamba", windows=(-1,), chunks=(-1,), config=_BAMBA),  # Mamba2 mixer + attention (IBM Bamba)
+    _f("granitemoehybrid", windows=(-1,), chunks=(-1,),  # Granite 4 style: mixer + attention, shared MLP
+       config=dict(_GRANITE_MAMBA, layer_types=["mamba", "attention"], num_local_experts=0)),
+    _f("nemotron_h", windows=(-1,), chunks=(-1,),  # mixer and attention blocks named `mixer` alike
+       config=dict(layers_block_type=["mamba", "attention"], mamba_num_heads=4, mamba_head_dim=16,
+                   ssm_state_size=16, n_groups=2, chunk_size=8)),
+    _f("mamba2", gqa=False, impls=("eager",), windows=(), chunks=(),  # pure Mamba2: no attention, no KV layers
+       config=dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8, expand=2)),
+    # Mamba v1 mixers: devin::causal_conv1d + devin::selective_scan, x_proj/dt_proj left in the graph
+    _f("mamba", gqa=False, impls=("eager",), windows=(), chunks=(), config=_MAMBA1),  # pure Mamba
+    _f("falcon_mamba", gqa=False, impls=("eager",), windows=(), chunks=(), config=_MAMBA1),  # weightless dt/B/C norms
+    _f("jamba", windows=(-1,), chunks=(-1,),  # Mamba mixer (dt/B/C RMSNorms) + attention
+       config=dict(num_experts=1, attn_layer_offset=1, attn_layer_period=2, mamba_d_state=8, mamba_expand=2,
+                   mamba_dt_rank=8)),
+    # gated DeltaNet (conv + delta rule state) beside gated attention with partial rotary; MoE with shared expert
+    _f("qwen3_next", windows=(-1,), chunks=(-1,),
+       config=dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                   head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                   linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])),
+    # RG-LRU (conv + diagonal linear recurrence, gates from each token) beside local attention (window 12, partial
+    # rotary); embeddings scaled by a bf16 sqrt(hidden), logits soft-capped
+    _f("recurrent_gemma", windows=(12,), chunks=(-1,),
+       config=dict(lru_width=64, attention_window_size=12, block_types=["recurrent", "attention"])),
+    # gated short convolution (conv window state only, conv_bias on) beside attention with q/k norms
+    _f("lfm2", windows=(-1,), chunks=(-1,), config=dict(layer_types=["conv", "full_attention"], conv_bias=True)),
+    # Falcon-H1: a Mamba2 mixer beside attention in every layer (parallel), muP multipliers everywhere (ssm in/out,
+    # a per-section vector on in_proj's output, key, attention in/out, MLP, embeddings, lm_head); no gated norm
+    # (y · silu(gate)) by default, the gated RMSNorm in the second variant
+    _f("falcon_h1", config=_FALCON_H1),
+    _f("falcon_h1_norm", "falcon_h1", config=dict(_FALCON_H1, mamba_rms_norm=True)),
 ]}
 
 # Families that must fail with a clear error rather than compile wrongly. Value:
 # (model_type, config overrides, attn_implementation, expected error class name, message regex, why).
-UNSUPPORTED: dict[str, tuple] = {
-    "mamba": ("mamba", {}, "eager", "UnsupportedModelError", r"could not capture", "no attention (state-space model)"),
-}
+UNSUPPORTED: dict[str, tuple] = {}
 
 # Falcon's new decoder architecture (GQA): before transformers 5.25 its attention repeats the KV
 # heads by broadcast_to in a [T, Hkv, G, D] layout before the transpose, which capture refuses;

@@ -28,8 +28,8 @@ the default backend (on CPU: ``cpu_sdpa``, which hands soft-capped calls to the
 reference); the chunked runs swap the two. Families HF or the compiler cannot serve are
 in ``conftest.UNSUPPORTED`` and must fail with a clear ``UnsupportedModelError`` or
 ``PassError`` naming the construct, never compile silently (Falcon's new-architecture GQA layout before
-transformers 5.25 (from 5.25 it is a family like the others), state-space models; see ``conftest.UNSUPPORTED``
-for the reason of each). Families
+transformers 5.25 (from 5.25 it is a family like the others); see ``conftest.UNSUPPORTED`` for the reason of
+each; recurrent layers HF spells another way are refused by name, tests/test_recurrent_state.py). Families
 for which HF itself has no SDPA path (Gemma 2, gpt-oss, XGLM) run eager only, and a test checks HF
 really refuses SDPA for them. The module takes about 2 minutes on 2 CPU cores, most of
 it in ``torch.export`` (about 2 s per model); compiled models are cached per module.

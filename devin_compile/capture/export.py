@@ -10,6 +10,7 @@ import torch.fx
 from ..compile_lock import TRACE_LOCK
 from .errors import UnsupportedModelError
 from .model_info import ModelInfo, model_info
+from .recurrent import recurrent_ops, recurrent_modules
 
 
 class FlatTokensLM(torch.nn.Module):
@@ -64,7 +65,9 @@ def capture(model: torch.nn.Module, *, example_len: int = 8, info: ModelInfo | N
         # that does not hold fails the step loudly; a specialisation (T fixed) still fails here.
         # A branch valid only up to some T (XGLM grows its sinusoidal table past max_positions + 2
         # tokens) is exported for T up to that bound, which caps the tokens of a step (_bounded_export).
-        with TRACE_LOCK, torch.no_grad():
+        # Recurrent mixers (capture/recurrent.py) are traced through the recurrent devin:: ops.
+        mixers = recurrent_modules(model) if info.has_recurrent_state else []
+        with TRACE_LOCK, torch.no_grad(), recurrent_ops(mixers):
             try:
                 ep = _export(model, (ids, pos, idx), T, N)
             except Exception as e:  # noqa: BLE001

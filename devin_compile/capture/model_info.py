@@ -8,6 +8,7 @@ import torch
 
 from .errors import UnsupportedModelError
 from .mask_probe import mask_shapes
+from .recurrent import recurrent_layers
 
 
 @dataclass
@@ -37,6 +38,15 @@ class ModelInfo:
     max_step_tokens: int | None = None
     # False when model_info(probe_masks=False) left the mask probe out (sliding_windows/attention_chunks empty).
     masks_probed: bool = True
+    # Recurrent layers (Mamba/Mamba2 mixers, gated DeltaNet, RG-LRU; capture/recurrent.py), in the order of the ops'
+    # ``layer``: their module paths and each one's state shapes (per sequence, without the slot dimension).
+    # With them, ``num_layers`` counts the attention layers only (the paged KV cache's layers).
+    recurrent_modules: list[str] = field(default_factory=list)
+    recurrent_states: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return bool(self.recurrent_modules)
 
     @property
     def kv_cache_layout(self) -> dict:
@@ -120,13 +130,14 @@ def model_info(model: torch.nn.Module, *, probe_masks: bool = True) -> ModelInfo
         raise UnsupportedModelError(f"{type(model).__name__}'s config lacks {missing}; not a decoder LM config")
     heads = text_cfg.num_attention_heads
     attn = _attention_modules(model)
+    rec_modules, rec_states = recurrent_layers(model)
     kv_heads = _module_kv_heads(attn, heads) or getattr(text_cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads
     param = next(model.parameters())
     shapes = {"m." + n: shape for n, shape in mask_shapes(model, text_cfg, attn).items()} if probe_masks else {}
     return ModelInfo(
         model_type=getattr(cfg, "model_type", type(model).__name__),
-        num_layers=text_cfg.num_hidden_layers,
+        num_layers=len(attn) if rec_modules else text_cfg.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -141,4 +152,6 @@ def model_info(model: torch.nn.Module, *, probe_masks: bool = True) -> ModelInfo
         attention_chunks={n: shape.chunk for n, shape in shapes.items() if shape.chunk > 0},
         mla=_mla_dims(text_cfg),
         masks_probed=probe_masks,
+        recurrent_modules=rec_modules,
+        recurrent_states=rec_states,
     )

@@ -22,6 +22,7 @@ from .engine import Engine
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .kv_tiers import KVTiers
 from .model_runner import ModelRunner
+from .state_pool import StatePool
 from .speculative import Proposer, SpeculativeDecoder
 
 
@@ -56,12 +57,15 @@ def build_engine(program: Program, info: ModelInfo, config: OptimizeConfig, *, t
     if config.warmup and hasattr(backend, "warm_up"):
         backend.warm_up(dtype=info.dtype, num_kv_heads=info.num_kv_heads, num_heads=info.num_heads,
                         head_dim=info.head_dim)
+    # Recurrent layers: one state slot per sequence the scheduler may run at once.
+    states = (StatePool(info.recurrent_states, config.scheduler.max_num_seqs, info.device)
+              if info.has_recurrent_state else None)
     runner = ModelRunner(program, pool, vocab_size=info.vocab_size, backend=backend, device=info.device,
                          max_seq_len=info.max_model_len, recompute_depth=config.cuda_graph_recompute_depth,
-                         max_step_tokens=info.max_step_tokens)
+                         max_step_tokens=info.max_step_tokens, state_pool=states)
     speculative = SpeculativeDecoder(config.speculative, proposer) if config.speculative is not None else None
     return Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
-                  tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching,
+                  tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching and states is None,
                   kv_prune=config.kv_prune, kv_tiers=_kv_tiers(config, pool, identity), speculative=speculative)
 
 

@@ -62,6 +62,11 @@ class Engine:
                             f"got {type(kv_prune).__name__}")
         if kv_tiers is not None and kv_tiers.pool is not runner.kv_cache:
             raise ValueError("kv_tiers need prefix caching on and must be built over this runner's KV pool")
+        states = getattr(runner, "state_pool", None)
+        if states is not None:
+            _check_recurrent(enable_prefix_caching, kv_prune, kv_tiers)
+            if speculative is not None:
+                speculative.track_states(states)
         arena_reuse.install()  # CPython < 3.13: keep op calls off the frame-stack chunk boundary
         self.runner = runner
         self.config = config
@@ -69,7 +74,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.debug_checks = debug_checks
         self.kv = KVManager(runner.kv_cache.num_blocks, runner.block_size, prefix_caching=enable_prefix_caching,
-                            tiers=kv_tiers)
+                            tiers=kv_tiers, states=states)
         self.scheduler = Scheduler(config, self.kv)
         self.admission = AdmissionCheck(max_model_len, self.kv.pool_tokens, runner.vocab_size, tokenizer, kv_prune)
         self.outputs = OutputProcessor(eos_token_ids, self._release)
@@ -308,6 +313,8 @@ class Engine:
             if config is None:
                 raise ValueError("this engine has no speculation yet: give the SpeculativeConfig with the proposer")
             self.spec = SpeculativeDecoder(config, proposer)
+            if self.kv.states is not None:
+                self.spec.track_states(self.kv.states)
             return
         self.spec.set_proposer(proposer, config)
 
@@ -352,6 +359,19 @@ class Engine:
         if self.pruner is not None:
             stats.update(self.pruner.stats(self.scheduler.running))
         return stats
+
+
+def _check_recurrent(prefix_caching: bool, kv_prune, kv_tiers) -> None:
+    """What a model with recurrent layers (a state pool) cannot run with: one clear error each. Their state
+    after a prefix is not in any KV block (no prefix caching or KV tiers, no snapshots kept), and pruning K/V
+    does not prune a recurrent state. (Speculation rolls the state back: speculative/state_rollback.py.)"""
+    refused = [(prefix_caching, "prefix caching", "enable_prefix_caching=False (optimize() turns it off itself)"),
+               (kv_tiers is not None, "kv_cache_tiers", "drop kv_cache_tiers="),
+               (kv_prune is not None, "KV pruning", "drop kv_prune=")]
+    for on, what, way_out in refused:
+        if on:
+            raise ValueError(f"{what} cannot serve a model with recurrent layers (Mamba, gated DeltaNet and RG-LRU "
+                             f"layers keep a per-sequence state that KV blocks do not hold); {way_out}")
 
 
 def _split_rows(scheduled: list[ScheduledSeq], owners: list[int]):

@@ -34,6 +34,7 @@ from .sequence import Sequence
 
 if TYPE_CHECKING:
     from .kv_tiers import KVTiers
+    from .state_pool import StatePool
     from .step_plan import ScheduledSeq
 
 
@@ -54,9 +55,13 @@ class KVManager:
     """Blocks of the paged KV pool for sequences (see the module docstring)."""
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True,
-                 tiers: "KVTiers | None" = None) -> None:
+                 tiers: "KVTiers | None" = None, states: "StatePool | None" = None) -> None:
         if tiers is not None and not prefix_caching:
             raise ValueError("kv_tiers need prefix caching on and must be built over this runner's KV pool")
+        if states is not None and prefix_caching:
+            raise ValueError("prefix caching cannot serve a model with recurrent layers: a cached block holds "
+                             "K/V but not the recurrent state after it; build the KVManager with prefix_caching=False")
+        self.states = states  # recurrent layers' state pool: one slot per admitted sequence (None: no such layers)
         self.block_size = block_size
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
         self.tiers = tiers
@@ -88,7 +93,10 @@ class KVManager:
         self._chains.pop(seq.request_id, None)
 
     def free(self, seq: Sequence) -> None:
-        """Give ``seq``'s blocks back (preemption: it will be recomputed; its hashes are kept)."""
+        """Give ``seq``'s blocks and state slot back (preemption: it will be recomputed; its hashes are kept)."""
+        if self.states is not None and seq.state_slot >= 0:
+            self.states.free(seq.state_slot)
+            seq.state_slot = -1
         if seq.block_table:
             self.allocator.free(seq.block_table)
             seq.block_table = []
@@ -117,7 +125,8 @@ class KVManager:
         n = min(seq.num_tokens - hit_tokens, budget)
         need = self.blocks_needed(hit_tokens + n) - len(hits)
         revive = sum(1 for b in hits if self.allocator.is_free(b))  # cached free blocks taken back
-        if not self.allocator.can_allocate(need + revive):
+        no_slot = self.states is not None and seq.state_slot < 0 and self.states.num_free == 0
+        if no_slot or not self.allocator.can_allocate(need + revive):
             return AdmissionPlan(False, n, hit_tokens=hit_tokens)
         loaded = self._tier_lookup(seq, len(hits))
         while loaded:  # take as many found blocks as the free blocks allow (none: as planned above)
@@ -131,7 +140,9 @@ class KVManager:
         return AdmissionPlan(True, n, need, hits, entries, loaded, hit_tokens)
 
     def admit(self, seq: Sequence, plan: AdmissionPlan) -> None:
-        """Carry out a fitting ``plan``: share the hits, allocate, install the tiers' blocks."""
+        """Carry out a fitting ``plan``: share the hits, allocate, install the tiers' blocks, take a state slot."""
+        if self.states is not None and seq.state_slot < 0:
+            seq.state_slot = self.states.allocate(seq.request_id)
         if plan.hits:
             for b in plan.hits:  # take the hits before allocating, so allocation cannot evict them
                 self.allocator.acquire(b)

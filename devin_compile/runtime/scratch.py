@@ -17,8 +17,9 @@ import torch
 from ..backends.attention.registry import select_attention_backend
 from ..capture import ModelInfo
 from ..pipeline import ScratchStep
-from ..step import AttentionBackend, AttentionMetadata, StepContext, step_context
+from ..step import AttentionBackend, AttentionMetadata, StateStep, StepContext, step_context
 from .kv_cache import KVCacheSpec, PagedKVCache
+from .state_pool import StatePool
 
 SCRATCH_BLOCK_SIZE = 16
 
@@ -41,7 +42,11 @@ def scratch_step(info: ModelInfo, device: torch.device | str, query_lens: Sequen
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(n))
     cache = PagedKVCache(spec, next_block, dev)
     meta = AttentionMetadata.build(list(query_lens), list(query_lens), tables, slots, dev)
-    with step_context(StepContext(meta, cache, backend or select_attention_backend(dev))) as ctx:
+    states = None
+    if info.has_recurrent_state:  # recurrent layers: a fresh state slot per sequence
+        pool = StatePool(info.recurrent_states, len(query_lens), dev)
+        states = StateStep(pool, [pool.allocate(f"scratch-{i}") for i in range(len(query_lens))])
+    with step_context(StepContext(meta, cache, backend or select_attention_backend(dev), states=states)) as ctx:
         yield ctx
 
 

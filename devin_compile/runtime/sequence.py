@@ -57,6 +57,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V were computed (positions 0 .. num_computed - 1)
+    state_slot: int = -1  # recurrent layers: the sequence's slot in the state pool (-1: none held)
     # KV pruning: tokens evicted from the cache; the sequence holds num_slots KV slots, and
     # the token at position p >= num_computed goes to slot p - num_evicted.
     num_evicted: int = 0

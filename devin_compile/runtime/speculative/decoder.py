@@ -4,7 +4,8 @@ Per step the engine calls :meth:`plan` before scheduling (how many proposals eac
 sequence may make: the scheduler reserves their KV slots), :meth:`propose` after it (the
 pinned proposer of each sequence fills ``ScheduledSeq.draft``), and :meth:`verify` on each
 drafted sequence's ``1 + len(draft)`` logits rows after the forward: it accepts or rejects the
-proposals and rolls the sequence's KV back to the tokens it keeps (the engine appends them).
+proposals and rolls the sequence's KV back to the tokens it keeps (the engine appends them), and a
+recurrent model's states with it (``state_rollback.py``: one snapshot, recompute after a rejection).
 
 Which requests speculate: every request by default while a proposer is set, except those with
 ``SamplingParams(speculative=False)``. A request that prunes its KV proposes at most
@@ -29,6 +30,7 @@ from ..sampling import sampling_probs
 from .acceptance import accept_greedy, accept_sampled
 from .adaptive import SpecState
 from .proposer import DraftRequest, Proposer
+from .state_rollback import StateRollback
 from .stats import SpecMetrics
 
 if TYPE_CHECKING:
@@ -44,6 +46,11 @@ class SpeculativeDecoder:
         self.totals = SpecMetrics(proposer="all")
         self.swaps = 0
         self.turned_down_steps = 0  # steps where max_verify_tokens capped the proposals
+        self.rollback: StateRollback | None = None  # recurrent layers' states (state_rollback.py)
+
+    def track_states(self, pool) -> None:
+        """The target has recurrent layers whose states live in ``pool``: roll them back with the KV."""
+        self.rollback = StateRollback(pool)
 
     def set_proposer(self, proposer: Proposer | None, config: SpeculativeConfig | None = None) -> None:
         """Hot swap: requests admitted from now on use ``proposer`` (None: they do not speculate)."""
@@ -99,6 +106,8 @@ class SpeculativeDecoder:
                 it.draft = list(d.tokens[:it.lookahead])
                 it.draft_probs = d.probs[:len(it.draft)] if d.probs is not None else None
                 it.seq.spec.metrics.draft_s += dt  # a batched proposer call counts for each of its requests
+        if self.rollback is not None:
+            self.rollback.take(scheduled)
 
     def record_verify_time(self, items: list["ScheduledSeq"], seconds: float) -> None:
         """A step's forward verified ``items``: it counts once in the totals and for each of them."""
@@ -106,7 +115,16 @@ class SpeculativeDecoder:
         for item in items:
             item.seq.spec.metrics.verify_s += seconds
 
-    def verify(self, item: "ScheduledSeq", logits: torch.Tensor, kv: "KVManager") -> tuple[list[int] | None, str | None]:
+    def verify(self, item: "ScheduledSeq", logits: torch.Tensor,
+               kv: "KVManager") -> tuple[list[int] | None, str | None]:
+        """:meth:`_accept`, then the recurrent states (if any) rolled back with the KV."""
+        tokens, error = self._accept(item, logits, kv)
+        if self.rollback is not None:
+            self.rollback.settle(item, tokens, kv)
+        return tokens, error
+
+    def _accept(self, item: "ScheduledSeq", logits: torch.Tensor,
+                kv: "KVManager") -> tuple[list[int] | None, str | None]:
         """Tokens a drafted sequence emits from its ``1 + len(draft)`` target logits rows, after rolling
         its KV back to them: ``(tokens, None)``. Non-finite logits undo the step (``(None, None)``: it
         is recomputed next step), at most ``recompute_depth`` times in a row; then, or when a logits

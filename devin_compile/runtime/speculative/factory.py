@@ -81,6 +81,10 @@ def build_proposer(config: SpeculativeConfig, model: torch.nn.Module, tokenizer,
         raise ValueError(f"speculative draft model has a vocabulary of {draft_vocab} tokens but the target has "
                          f"{target_vocab}; a draft must share the target's tokenizer")
     draft = compile(draft_model, tokenizer=tokenizer, **options)
+    if draft.info.has_recurrent_state:
+        raise ValueError(f"speculative method {config.method!r}: the draft has recurrent layers, whose own state a "
+                         "draft proposer does not roll back; use method='ngram', or a draft model without recurrent "
+                         "layers (the target may have them)")
     return DraftModelProposer(draft.engine.runner, name=name)
 
 

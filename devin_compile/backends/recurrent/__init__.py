@@ -1,0 +1,1 @@
+"""Kernels of recurrent layers (state-space mixers) over the runtime's state pool."""
