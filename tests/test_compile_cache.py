@@ -49,7 +49,7 @@ def _logits(opt, ids):
     return opt.engine.forward_logits(list(ids))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral", "deepseek_v3", "bamba", "qwen3_next"])
 def test_warm_equals_cold(tiny_model, tmp_path, caplog, family):
     model = tiny_model(family)
     with caplog.at_level(logging.INFO, logger="devin_compile"):
