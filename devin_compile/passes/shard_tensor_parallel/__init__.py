@@ -8,9 +8,10 @@ Pattern → replacement, per attention layer (``devin::paged_attention`` over q 
     gate|up = linear(x, W)          →  linear(x, W[rank's I/N rows])            # column-parallel
     down  = linear(h, W_d[, b])     →  wait(all_reduce(linear(h, W_d[:, rank's I/N cols]), sum))[+ b]
 
-Rank r holds query heads ``[r·Hq/N, (r+1)·Hq/N)`` and the KV heads they read (split when ``N | Hkv``,
-one KV head kept by ``N/Hkv`` ranks when ``Hkv | N``; ``config/tensor_parallel.py``), so each
-``paged_attention`` sees ``Hq/N`` query heads and the rank's KV heads, and the rank's KV pool holds
+Rank r holds whole GQA groups (a contiguous run of KV heads and the query heads that read them; the
+first ``Hkv mod N`` ranks one group more, SmolLM2's 3 groups at N=2 as 2 + 1), or, with fewer KV heads
+than ranks, ``Hq/N`` query heads and a copy of the one KV head they share (``config/tensor_parallel.py``),
+so each ``paged_attention`` sees the rank's query and KV heads, and the rank's KV pool holds
 only those (the runtime builds it from the rank-local ``ModelInfo``). Per-head constants of the op
 (ALiBi slopes, attention sinks) keep the rank's heads. Embeddings, norms and the logits linear stay
 whole on every rank (replicated: every rank computes the full logits; rank 0 samples them).
