@@ -76,7 +76,9 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     if model is callers and group is None:  # (a converted copy dies with this call: the program keeps what it reads)
         own_weights(program, model)
     drafts = DraftBuilder(model, tokenizer, vocab_size=info.vocab_size, dtype=info.dtype, compile=optimize)
-    proposer = drafts(config.speculative) if config.speculative is not None else None
+    # tensor_parallel > 1: rank 0 alone proposes (a draft model runs whole there, tensor_parallel=1)
+    speculates = config.speculative is not None and (group is None or group.rank == 0)
+    proposer = drafts(config.speculative) if speculates else None
     identity = (ModelIdentity.of(model, None if quant is None else [quant[0].fingerprint, repr(quant[1])])
                 if config.kv_cache_tiers else None)
     if group is not None:  # this rank's heads; a KV pool of the same number of blocks on every rank

@@ -26,7 +26,7 @@ from devin_compile.config.tensor_parallel import TensorParallelSpec, head_shard
 from devin_compile.passes import AttentionToPaged, ShardTensorParallel
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 
-from tp_worker import CASES, build, workload
+from tp_worker import CASES, build, run_case, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
@@ -91,6 +91,28 @@ def test_smollm2_two_ranks_match_one_process(tmp_path):
     ref = workload(dc.optimize(build("smollm2"), num_kv_blocks=32), "smollm2")
     assert_matches(ref, results, "smollm2", atol=2e-4)
     assert [r["smollm2"]["kv_heads"] for r in results] == [2, 1]
+
+
+FEATURE_RUNS = ["llama@prefix", "llama@preempt", "llama@ngram", "llama_9x3@head"]
+
+
+@pytest.fixture(scope="module")
+def feature_ranks(tmp_path_factory) -> list[dict]:
+    return launch(tmp_path_factory.mktemp("tp_features"), *FEATURE_RUNS)
+
+
+@pytest.mark.parametrize("run", FEATURE_RUNS)
+def test_runtime_features_match_one_process(feature_ranks, run):
+    """Prefix caching, preemption (a 7-block pool for three 4-block sequences) and speculative decoding
+    (n-gram; a 1-layer head draft that runs on rank 0 only) at tensor_parallel=2: greedy tokens identical
+    to one process with the same options, and the feature really ran (hits, preemptions, drafts)."""
+    ref = run_case(run, 1)
+    feature = run.partition("@")[2]
+    counter = {"prefix": "prefix_hit_tokens", "preempt": "preemptions", "ngram": "proposed", "head": "proposed"}[feature]
+    assert ref[counter] > 0
+    for rank, results in enumerate(feature_ranks):
+        assert results[run]["tokens"] == ref["tokens"], f"rank {rank}"
+    assert feature_ranks[0][run] == ref  # rank 0 schedules: the same hits, preemptions and acceptance
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -31,6 +31,15 @@ SMOLLM2_PROMPTS = [[504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30],
                    [6403, 1980, 253, 655, 28, 281, 253, 10054, 411, 260, 3426, 28, 665, 4161]]
 
 
+#: runtime features run at tensor_parallel=2 ("CASE@FEATURE"): optimize options; :func:`feature_workload` runs them
+FEATURES = {
+    "prefix": dict(),  # prefix caching (on by default): the second round reuses the first's blocks
+    "preempt": dict(num_kv_blocks=7, enable_prefix_caching=False),  # 3 sequences of 4 blocks in 7: preemption
+    "ngram": dict(speculative={"method": "ngram", "num_tokens": 3}),
+    "head": dict(speculative={"method": "head", "layers": 1, "num_tokens": 2}),  # a draft model (rank 0's)
+}
+
+
 def build(case: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -56,13 +65,35 @@ def workload(opt, case: str = "") -> dict:
                 note=notes[0] if notes else "")
 
 
-def main(out_dir: str, cases: list[str]) -> None:
+def feature_workload(opt) -> dict:
+    """Two rounds of three 40-token prompts sharing a 32-token prefix, 16 greedy tokens each; the counters
+    that show the feature ran (prefix-cache hits, preemptions, proposed and accepted draft tokens)."""
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, 256, (32,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 256, (8,), generator=g).tolist() for _ in range(3)]
+    tokens = opt.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    tokens += opt.generate(prompts[::-1], max_new_tokens=16, ignore_eos=True)
+    engine = opt.engine
+    spec = engine.spec_stats()
+    return dict(tokens=tokens, prefix_hit_tokens=engine.kv_stats()["prefix_hit_tokens"],
+                preemptions=engine.metrics.preemptions, proposed=spec.get("drafted", 0),
+                accepted=spec.get("accepted", 0))
+
+
+def run_case(name: str, tp: int) -> dict:
     import devin_compile
 
+    case, _, feature = name.partition("@")
+    if feature:
+        options = {"num_kv_blocks": 32, **FEATURES[feature]}
+        return feature_workload(devin_compile.optimize(build(case), tensor_parallel=tp, **options))
+    return workload(devin_compile.optimize(build(case), tensor_parallel=tp, num_kv_blocks=32), case)
+
+
+def main(out_dir: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     tp = int(os.environ["WORLD_SIZE"])
-    results = {case: workload(devin_compile.optimize(build(case), tensor_parallel=tp, num_kv_blocks=32), case)
-               for case in cases}
+    results = {case: run_case(case, tp) for case in cases}
     with open(os.path.join(out_dir, f"{os.environ['RANK']}.json"), "w") as f:
         json.dump(results, f)
 
