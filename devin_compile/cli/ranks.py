@@ -72,7 +72,9 @@ def console(group):
     """The console: rank 0 (or no group) prints, the other ranks are quiet."""
     from rich.console import Console
 
-    return Console(quiet=group is not None and group.rank != 0)
+    if group is None or group.rank == 0:
+        return Console()
+    return Console(quiet=True, file=open(os.devnull, "w"))  # (progress lines write to con.file)
 
 
 def follow(opt) -> int:
