@@ -21,6 +21,7 @@ from .optimized_model import OptimizedModel
 from .runtime.build import ModelIdentity, build_engine
 from .runtime.distributed import BroadcastRunner, RankGroup, agree_on_blocks, init_rank_group, rank_info
 from .runtime.kv_prune import active_config as active_kv_prune
+from .runtime.kv_tiers_tp import rank_tiers_for
 from .runtime.scratch import scratch_step, scratch_steps
 from .runtime.speculative.factory import DraftBuilder
 from .weights import own_weights
@@ -81,11 +82,14 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     proposer = drafts(config.speculative) if speculates else None
     identity = (ModelIdentity.of(model, None if quant is None else [quant[0].fingerprint, repr(quant[1])])
                 if config.kv_cache_tiers else None)
+    tiers_for = None
     if group is not None:  # this rank's heads; a KV pool of the same number of blocks on every rank
+        tiers_for = rank_tiers_for(group, info)  # KV tiers of whole blocks, on rank 0
         info = rank_info(info, group.spec)
         config = agree_on_blocks(group, info, config)
     t_build = time.perf_counter()
-    engine = build_engine(program, info, config, tokenizer=tokenizer, proposer=proposer, identity=identity)
+    engine = build_engine(program, info, config, tokenizer=tokenizer, proposer=proposer, identity=identity,
+                          kv_tiers_for=tiers_for)
     log.info("engine built in %.1f s (KV pool%s); optimize() took %.1f s", time.perf_counter() - t_build,
              ", kernel warm-up" if config.warmup else "", time.perf_counter() - t0)
     if group is not None and group.rank == 0:

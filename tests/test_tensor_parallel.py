@@ -93,7 +93,8 @@ def test_smollm2_two_ranks_match_one_process(tmp_path):
     assert [r["smollm2"]["kv_heads"] for r in results] == [2, 1]
 
 
-FEATURE_RUNS = ["llama@prefix", "llama@preempt", "llama@ngram", "llama_9x3@head"]
+FEATURE_RUNS = ["llama@prefix", "llama@preempt", "llama@ngram", "llama_9x3@head", "llama_9x3@tiers",
+                "llama_kv1@tiers_wt"]
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +104,15 @@ def feature_ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("run", FEATURE_RUNS)
 def test_runtime_features_match_one_process(feature_ranks, run):
-    """Prefix caching, preemption (a 7-block pool for three 4-block sequences) and speculative decoding
-    (n-gram; a 1-layer head draft that runs on rank 0 only) at tensor_parallel=2: greedy tokens identical
-    to one process with the same options, and the feature really ran (hits, preemptions, drafts)."""
+    """Prefix caching, preemption (a 7-block pool for three 4-block sequences), speculative decoding
+    (n-gram; a 1-layer head draft that runs on rank 0 only) and KV tiers (a host tier filled on eviction,
+    or written through; whole blocks gathered from both ranks, loaded blocks scattered back; uneven heads
+    and a replicated KV head) at tensor_parallel=2: greedy tokens identical to one process with the same
+    options, and the feature really ran (hits, preemptions, drafts, blocks loaded from the tier)."""
     ref = run_case(run, 1)
     feature = run.partition("@")[2]
-    counter = {"prefix": "prefix_hit_tokens", "preempt": "preemptions", "ngram": "proposed", "head": "proposed"}[feature]
+    counter = {"prefix": "prefix_hit_tokens", "preempt": "preemptions", "ngram": "proposed", "head": "proposed",
+               "tiers": "tier_loaded", "tiers_wt": "tier_loaded"}[feature]
     assert ref[counter] > 0
     for rank, results in enumerate(feature_ranks):
         assert results[run]["tokens"] == ref["tokens"], f"rank {rank}"

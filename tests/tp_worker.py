@@ -37,6 +37,10 @@ FEATURES = {
     "preempt": dict(num_kv_blocks=7, enable_prefix_caching=False),  # 3 sequences of 4 blocks in 7: preemption
     "ngram": dict(speculative={"method": "ngram", "num_tokens": 3}),
     "head": dict(speculative={"method": "head", "layers": 1, "num_tokens": 2}),  # a draft model (rank 0's)
+    # KV tiers: the filler round evicts the prefix blocks into the host tier, the second round loads them
+    "tiers": dict(num_kv_blocks=12, kv_cache_tiers=[{"backend": "host_lru", "max_bytes": 1 << 24}]),
+    "tiers_wt": dict(num_kv_blocks=12, kv_cache_tiers=[{"backend": "host_lru", "max_bytes": 1 << 24,
+                                                         "write_through": True}]),
 }
 
 
@@ -66,18 +70,24 @@ def workload(opt, case: str = "") -> dict:
 
 
 def feature_workload(opt) -> dict:
-    """Two rounds of three 40-token prompts sharing a 32-token prefix, 16 greedy tokens each; the counters
-    that show the feature ran (prefix-cache hits, preemptions, proposed and accepted draft tokens)."""
+    """Two rounds of three 40-token prompts sharing a 32-token prefix, 16 greedy tokens each, with two other
+    prompts between them (evicting from a small pool); the counters
+    that show the feature ran (prefix-cache hits, preemptions, proposed and accepted draft tokens, blocks loaded from the KV tiers)."""
     g = torch.Generator().manual_seed(7)
     prefix = torch.randint(3, 256, (32,), generator=g).tolist()
     prompts = [prefix + torch.randint(3, 256, (8,), generator=g).tolist() for _ in range(3)]
     tokens = opt.generate(prompts, max_new_tokens=16, ignore_eos=True)
-    tokens += opt.generate(prompts[::-1], max_new_tokens=16, ignore_eos=True)
+    filler = [torch.randint(3, 256, (40,), generator=g).tolist() for _ in range(3)]
+    tokens += opt.generate(filler, max_new_tokens=16, ignore_eos=True)
     engine = opt.engine
+    if engine.kv.tiers is not None:
+        engine.kv.tiers.flush(30.0)  # the write-through thread has stored what it was given
+    tokens += opt.generate(prompts[::-1], max_new_tokens=16, ignore_eos=True)
     spec = engine.spec_stats()
     return dict(tokens=tokens, prefix_hit_tokens=engine.kv_stats()["prefix_hit_tokens"],
                 preemptions=engine.metrics.preemptions, proposed=spec.get("drafted", 0),
-                accepted=spec.get("accepted", 0))
+                accepted=spec.get("accepted", 0), tier_loaded=engine.kv_stats().get("kv_tier_loaded_blocks", 0),
+                tier_bytes=engine.kv_stats().get("kv_tier_published_bytes", 0))
 
 
 def run_case(name: str, tp: int) -> dict:

@@ -24,7 +24,6 @@ from typing import Any
 #: Options that do not combine with ``tensor_parallel`` > 1 yet, and why.
 _UNSUPPORTED = {
     "kv_prune": "KV pruning edits rank 0's KV pool only",
-    "kv_cache_tiers": "the KV tiers copy blocks of rank 0's KV pool only",
     "compile_decode": "the ahead-compiled decode graph is not tested with collectives yet",
     "verify": "the probe compares against an unsharded graph",
     "quantization": "quantized weights are computed for the unsharded linears",

@@ -74,6 +74,21 @@ class RankGroup:
             self.lock.release()
         return True
 
+    def gather_blocks(self, pool: Any, blocks: list[int]) -> list[torch.Tensor] | None:
+        """Every rank's K/V of pool ``blocks`` ([layers, planes, len(blocks), block_size, its KV heads,
+        head_dim], on the host), in rank order on rank 0; None on the others."""
+        part = pool.data[:, :, blocks].to("cpu")
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(part, out, dst=0, group=self.messages)
+        return out
+
+    def scatter_blocks(self, pool: Any, blocks: list[int], parts: list[torch.Tensor] | None = None) -> None:
+        """Write into pool ``blocks`` of every rank its part (rank 0 gives ``parts``, one per rank, shaped
+        like :meth:`gather_blocks`' result)."""
+        box = [None]
+        dist.scatter_object_list(box, parts if self.rank == 0 else None, src=0, group=self.messages)
+        pool.data[:, :, blocks] = box[0].to(pool.data.device)
+
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks."""
         t = torch.tensor([value], dtype=torch.int64)
@@ -163,6 +178,10 @@ def follow(runner: ModelRunner, group: RankGroup) -> Any:
             runner.run(*payload)
         elif kind == "ping":
             group.agree_min(0)
+        elif kind == "kv_gather":  # rank 0's KV tiers store (or load) whole blocks: runtime/kv_tiers_tp.py
+            group.gather_blocks(runner.kv_cache, payload)
+        elif kind == "kv_scatter":
+            group.scatter_blocks(runner.kv_cache, payload)
         elif kind == "done":
             return payload
         elif kind == "error":
