@@ -187,6 +187,8 @@ def test_pass_names_a_fused_qkv_layer():
      "tensor_parallel=2 but the process group has 1 ranks"),
     (dict(tensor_parallel=2), {}, r"launch with `torchrun --nproc-per-node 2`"),
     (dict(tensor_parallel=2, verify=True), {}, "tensor_parallel=2 with verify= is not supported yet"),
+    (dict(tensor_parallel=2, quantization={"method": "rtn", "bits": 4, "group_size": 32}), {},
+     r"tensor_parallel=2 with quantization= is not supported yet: INT4/FP8 weights .* drop quantization="),
     (dict(tensor_parallel=0), {}, "tensor_parallel=0 must be an integer >= 1"),
 ])
 def test_bad_input_fails_before_any_weight_moves(monkeypatch, options, env, message):
