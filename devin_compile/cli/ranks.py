@@ -51,9 +51,12 @@ def join(args, device: str | None = None):
     """As a rank: the process group (initialised with ``--tp-timeout``; NCCL when ``device`` is CUDA, else
     gloo); None with N = 1."""
     tp = args.tensor_parallel
-    if tp == 1:
-        return None
     world = int(os.environ["WORLD_SIZE"]) if launched() else None
+    if tp == 1:
+        if world not in (None, 1):  # every rank would run the whole command (and bind the same port)
+            raise ValueError(f"launched as {world} processes (torchrun) without --tensor-parallel: give "
+                             f"--tensor-parallel {world}")
+        return None
     if world != tp:
         raise ValueError(f"--tensor-parallel {tp}, but torchrun started {world} processes; give "
                          f"--nproc-per-node {tp}")
