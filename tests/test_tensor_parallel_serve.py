@@ -154,3 +154,25 @@ def test_run_under_torchrun_prints_what_one_process_generates(folder):
     assert done.returncode == 0, done.stderr[-3000:]
     assert want and want in done.stdout
     assert done.stdout.count(f"{PROMPTS[1]}") == 1  # rank 0 prints; rank 1 is quiet
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["run", "--prompt", "hi"], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "launched as 2 processes (torchrun) without --tensor-parallel: give --tensor-parallel 2"),
+    (["run", "--tensor-parallel", "2", "--speculative", "ngram"], {},
+     "--speculative with --tensor-parallel: run times a second engine"),
+    (["serve", "--tensor-parallel", "2", "--option", "kv_prune=true"], {},
+     "tensor_parallel=2 with kv_prune= is not supported yet"),
+])
+def test_bad_tensor_parallel_command_lines_fail_before_loading(monkeypatch, capsys, argv, env, message):
+    """One error line and exit 2, before any rank is spawned or model loaded."""
+    from devin_compile.cli import main
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("devin_compile.cli.launch.spawn_ranks", lambda *a, **k: pytest.fail("spawned ranks"))
+    monkeypatch.setattr("devin_compile.models.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["-q", *argv]) == 2
+    assert message in capsys.readouterr().err
