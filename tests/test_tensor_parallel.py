@@ -26,6 +26,7 @@ from devin_compile.config.tensor_parallel import TensorParallelSpec, head_shard
 from devin_compile.passes import AttentionToPaged, ShardTensorParallel
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 
+from devin_compile.cli.launch import _die_with_parent
 from tp_worker import CASES, build, run_case, workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,8 @@ def launch(tmp: Path, *args: str, timeout_s: float = TIMEOUT_S) -> list[dict]:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      preexec_fn=_die_with_parent))  # no rank outlives a killed pytest
     logs = []
     try:
         for p in procs:
@@ -121,21 +123,24 @@ def test_runtime_features_match_one_process(feature_ranks, run):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bytes_and_kv_heads_per_rank(ranks, case):
-    """Each rank holds its heads' share of q/k/v/o and 1/2 of the MLP, plus whole copies of KV heads it
-    shares (1 KV head, 2 ranks); its KV pool holds its own KV heads only."""
+    """Each rank holds its heads' share of q/k/v/o and 1/2 of the MLP (of every expert's, for mixtral), plus
+    whole copies of KV heads it shares (1 KV head, 2 ranks); its KV pool holds its own KV heads only."""
     model = build(case)
     cfg = model.config
-    full = sum(p.nbytes for n, p in model.named_parameters() if re.search(r"_proj\.(weight|bias)$", n))
+    split = re.compile(r"_proj(\.weight|\.bias)?$")  # q/k/v/o, gate/up/down, experts.gate_up_proj / down_proj
+    full = sum(p.nbytes for n, p in model.named_parameters() if split.search(n))
     for rank, results in enumerate(ranks):
         heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, 2, rank)
         share = {"q": len(heads.q) / cfg.num_attention_heads, "o": len(heads.q) / cfg.num_attention_heads,
                  "k": len(heads.kv) / cfg.num_key_value_heads, "v": len(heads.kv) / cfg.num_key_value_heads}
         expected = sum(int(p.nbytes * share.get(n.split(".")[-2][0], 0.5)) for n, p in model.named_parameters()
-                       if re.search(r"_proj\.(weight|bias)$", n))
+                       if split.search(n))
         got = results[case]
         local, total = map(int, re.search(r"split weights (\d+) of (\d+) bytes", got["note"]).groups())
         assert (local, total) == (expected, full)
         assert got["kv_heads"] == len(heads.kv)
+        if heads.kv.stop - heads.kv.start == cfg.num_key_value_heads / 2:  # even split: about half of them
+            assert 0.49 < local / full < 0.51
 
 
 def _sharded(case: str, rank: int):
@@ -166,8 +171,31 @@ def test_pass_splits_heads_and_sums_row_parallel_outputs():
     torch.testing.assert_close(torch.cat(o, 1), layer.self_attn.o_proj.weight, rtol=0, atol=0)
 
 
+def test_pass_splits_every_expert_and_keeps_the_router():
+    """Mixtral: each rank keeps every expert's gate and up rows of its half of the intermediate features
+    (gate then up, as the graph chunks them) and the same down columns; the router stays whole; one
+    all_reduce per attention output and one per expert block."""
+    parts = [_sharded("mixtral", rank) for rank in range(2)]
+    model = parts[0][0]
+    experts = model.model.layers[0].mlp.experts
+    f = experts.down_proj.shape[2]
+    weights = [dict(gm.named_parameters()) | dict(gm.named_buffers()) for _, gm in parts]
+    get = [lambda w, end=end: next(w[k] for k in w if k.endswith(end)) for end in (
+        "layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj", "layers.0.mlp.gate.weight")]
+    gate_up = [get[0](w) for w in weights]
+    torch.testing.assert_close(torch.cat([g[:, : f // 2] for g in gate_up], 1), experts.gate_up_proj[:, :f], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([g[:, f // 2:] for g in gate_up], 1), experts.gate_up_proj[:, f:], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([get[1](w) for w in weights], 2), experts.down_proj, rtol=0, atol=0)
+    for w in weights:
+        torch.testing.assert_close(get[2](w), model.model.layers[0].mlp.gate.weight, rtol=0, atol=0)
+    for _, gm in parts:
+        reduces = [n for n in gm.graph.nodes if n.target == torch.ops._c10d_functional.all_reduce.default]
+        assert len(reduces) == 2 * model.config.num_hidden_layers
+
+
 def test_pass_names_a_fused_qkv_layer():
-    """Phi-3 projects q, k, v with one linear: a PassError naming the layer, not a silent replica."""
+    """Phi-3 projects q, k, v with one linear: a PassError naming the layer, not a silent replica, raised
+    while planning, before any weight is split."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
@@ -177,8 +205,10 @@ def test_pass_names_a_fused_qkv_layer():
     gm, info = capture(model, info=model_info(model))
     program = Program({"main": gm})
     manager = PassManager([AttentionToPaged(), ShardTensorParallel(TensorParallelSpec(2, 0, "tp-test"))])
+    shapes = {n: tuple(p.shape) for n, p in gm.named_parameters()}
     with pytest.raises(PassError, match=r"layers\.0\.self_attn: query, key and value come from one fused linear"):
         manager.run(program, PassContext(info=info))
+    assert {n: tuple(p.shape) for n, p in program.main.named_parameters()} == shapes
 
 
 @pytest.mark.parametrize("options, env, message", [
@@ -204,7 +234,8 @@ def test_bad_input_fails_before_any_weight_moves(monkeypatch, options, env, mess
     assert not dist.is_initialized()
 
 
-def test_mixture_of_experts_is_refused_by_name():
+def test_shared_experts_are_refused_by_name():
+    """Qwen2-MoE's shared expert has a gate linear the pass does not split: refused before capture."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
@@ -212,8 +243,25 @@ def test_mixture_of_experts_is_refused_by_name():
                                                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                shared_expert_intermediate_size=64)).eval()
-    with pytest.raises(ValueError, match=r"mixture-of-experts models \(num_experts=4\)"):
+    with pytest.raises(ValueError, match=r"mixture-of-experts models with shared experts "
+                                         r"\(shared_expert_intermediate_size=64\) yet; use tensor_parallel=1"):
         dc.optimize(model, tensor_parallel=2)
+    assert not dist.is_initialized()
+
+
+def test_experts_that_do_not_split_are_refused_before_any_weight_moves():
+    """Every expert is split over the ranks by its intermediate features: tp must divide them."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=90, num_local_experts=4,
+                                             num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2)).eval()
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 does not divide the experts' intermediate size 90"):
+        dc.optimize(model, tensor_parallel=4, dtype="bf16")
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize("hq, hkv, tp, expected", [

@@ -14,10 +14,13 @@ import sys
 import torch
 
 #: name → (model_type, config overrides): 4 query heads; 2 KV heads split over 2 ranks, or 1 KV head that
-#: both ranks keep (replication); qwen2 has q/k/v biases.
+#: both ranks keep (replication); qwen2 has q/k/v biases; gemma2 soft-caps attention and logits, alternates
+#: sliding-window layers and uses GELU; mixtral routes each token to 2 of 4 experts.
 CASES = {
     "llama": ("llama", dict(num_key_value_heads=2)),
     "qwen2": ("qwen2", dict(num_key_value_heads=2)),
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=16, sliding_window=8)),
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "llama_kv1": ("llama", dict(num_key_value_heads=1)),
     # SmolLM2's head shape (9 query heads in 3 GQA groups): ranks hold 2 and 1 whole groups
     "llama_9x3": ("llama", dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=144)),
@@ -54,7 +57,8 @@ def build(case: str, seed: int = 0) -> torch.nn.Module:
     model_type, overrides = CASES[case]
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    impl = "eager" if model_type == "gemma2" else "sdpa"  # HF has no SDPA path for Gemma 2
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32).eval()
 
 
 def workload(opt, case: str = "") -> dict:

@@ -34,6 +34,7 @@ _UNSUPPORTED = {
 }
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts")
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,22 @@ def check_model(num_heads: int, num_kv_heads: int, tp: int, *, mla: bool, hf_con
     if mla:
         raise ValueError("tensor_parallel > 1 does not support multi-head latent attention (DeepSeek MLA) yet")
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    experts = [k for k in _MOE_KEYS if (getattr(text, k, 0) or 0) > 0]
-    if experts:
-        raise ValueError(f"tensor_parallel > 1 does not support mixture-of-experts models ({experts[0]}="
-                         f"{getattr(text, experts[0])}): expert parallelism is not implemented")
     head_shard(num_heads, num_kv_heads, tp, 0)
+    if any((getattr(text, k, 0) or 0) > 0 for k in _MOE_KEYS):
+        _check_experts(text, tp)
+
+
+def _check_experts(text: Any, tp: int) -> None:
+    """Routed experts split by intermediate features (every expert on every rank): no shared expert
+    (its gate linear is not split), and ``tp`` divides the experts' intermediate size."""
+    shared = [k for k in _SHARED_EXPERT_KEYS if (getattr(text, k, 0) or 0) > 0]
+    if shared:
+        raise ValueError(f"tensor_parallel > 1 does not support mixture-of-experts models with shared experts "
+                         f"({shared[0]}={getattr(text, shared[0])}) yet; use tensor_parallel=1")
+    size = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0)
+    if size % tp:
+        raise ValueError(f"tensor_parallel={tp} does not divide the experts' intermediate size {size}: every "
+                         f"expert is split over the ranks; use a tensor_parallel that divides {size}")
 
 
 def check_options(config: Any) -> None:

@@ -51,6 +51,7 @@ class _Experts:
     down: torch.Tensor
     out: torch.fx.Node  # the slot sum the op replaces
     inverse: torch.fx.Node  # index_put_ into a fresh buffer: DCE keeps in-place ops, so it is erased here
+    down_gemm: torch.fx.Node  # the grouped down GEMM (shard_tensor_parallel splits its weight)
 
 
 class _NoMatch(Exception):
@@ -100,7 +101,7 @@ def _match(gm: torch.fx.GraphModule, gate_up: torch.fx.Node, grouped) -> _Expert
     x, perm, k, ids, w_gu, offs = _routed_rows(gm, gate_up)
     down, w_d = _gated_experts(gm, gate_up, grouped, offs, w_gu)
     weights, out, inverse = _weighted_slot_sum(down, perm, k, w_gu.shape[2])
-    return _Experts(x, ids, weights, w_gu, w_d, out, inverse)
+    return _Experts(x, ids, weights, w_gu, w_d, out, inverse, down)
 
 
 def _routed_rows(gm: torch.fx.GraphModule, gate_up: torch.fx.Node):
@@ -252,6 +253,18 @@ class FuseMoEExperts(Pass):
         for dead in _dead_chain(m.out, m.inverse):
             if not dead.users:
                 graph.erase_node(dead)
+
+
+def expert_blocks(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, _Experts | str]]:
+    """Each expert block's gate/up GEMM with its matched chain, or why the chain differs from HF's
+    (for shard_tensor_parallel, which splits the blocks this pass fuses)."""
+    out: list[tuple[torch.fx.Node, _Experts | str]] = []
+    for gate_up in _gate_up_gemms(gm.graph):
+        try:
+            out.append((gate_up, _match(gm, gate_up, grouped_mm_fallback_op())))
+        except _NoMatch as e:
+            out.append((gate_up, str(e)))
+    return out
 
 
 def _gate_up_gemms(graph: torch.fx.Graph) -> list[torch.fx.Node]:
