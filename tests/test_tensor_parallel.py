@@ -183,8 +183,9 @@ def test_pass_splits_every_expert_and_keeps_the_router():
     get = [lambda w, end=end: next(w[k] for k in w if k.endswith(end)) for end in (
         "layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj", "layers.0.mlp.gate.weight")]
     gate_up = [get[0](w) for w in weights]
-    torch.testing.assert_close(torch.cat([g[:, : f // 2] for g in gate_up], 1), experts.gate_up_proj[:, :f], rtol=0, atol=0)
-    torch.testing.assert_close(torch.cat([g[:, f // 2:] for g in gate_up], 1), experts.gate_up_proj[:, f:], rtol=0, atol=0)
+    for half in (0, 1):  # gate rows, then up rows
+        got = torch.cat([g[:, half * f // 2:(half + 1) * f // 2] for g in gate_up], 1)
+        torch.testing.assert_close(got, experts.gate_up_proj[:, half * f:(half + 1) * f], rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([get[1](w) for w in weights], 2), experts.down_proj, rtol=0, atol=0)
     for w in weights:
         torch.testing.assert_close(get[2](w), model.model.layers[0].mlp.gate.weight, rtol=0, atol=0)

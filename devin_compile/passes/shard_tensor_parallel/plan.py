@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ...graph_experts import expert_blocks
 from ...graph_utils import is_call, is_logits_linear, param_of
 from ...pipeline import PassError
-from ..fuse_moe_experts import expert_blocks
 
 aten = torch.ops.aten
 
