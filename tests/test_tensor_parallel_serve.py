@@ -150,10 +150,17 @@ def test_run_under_torchrun_prints_what_one_process_generates(folder):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "devin_compile.cli", "-q", "run", "--model", str(folder),
            "--tensor-parallel", "2", "--prompt", PROMPTS[1], "--max-new-tokens", "16", "--no-bench"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=START_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert want and want in done.stdout
-    assert done.stdout.count(f"{PROMPTS[1]}") == 1  # rank 0 prints; rank 1 is quiet
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)  # torchrun and its ranks in one process group
+    try:
+        out, err = proc.communicate(timeout=START_S)
+    finally:
+        if proc.poll() is None:  # a hang: no rank is left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert want and want in out
+    assert out.count(f"{PROMPTS[1]}") == 1  # rank 0 prints; rank 1 is quiet
 
 
 @pytest.mark.parametrize("argv, env, message", [
