@@ -5,7 +5,8 @@
 Three engines of SmolLM2-135M-Instruct (``--tiny``: a random 6-layer Llama) stay alive side by side:
 tp=1 with 1 thread, tp=1 with 2 threads, and tp=2 (two ranks, gloo, 1 thread each). They are timed
 in turns (A, B, C, A, B, C, ...: machine drift hits all alike), one batch-1 greedy decode each turn;
-figures are medians over ``--repeats`` turns, ratios against tp=1 measured in the same run.
+figures are medians over ``--repeats`` turns (each turn's figure is kept too), ratios against tp=1
+measured in the same run, with the machine's load average before and after the timed turns.
 
 Also: the all_reduces in tp=2's decode graph (per step), one all_reduce of a decode step's hidden
 state timed alone between the two ranks (median of 200) and so their estimated share of the tp=2
@@ -147,16 +148,20 @@ def main() -> None:
     from devin_compile.cli.launch import free_port
 
     port = free_port()
-    engines = {"tp=1, 1 thread": [_spawn(args, 1, None, 0)], "tp=1, 2 threads": [_spawn(args, 2, None, 0)],
-               "tp=2, 1 thread/rank": [_spawn(args, 1, r, port) for r in range(2)]}
+    # tp=2 first, alone: its ranks time the all_reduce before the other engines load and compile
+    engines = {"tp=2, 1 thread/rank": [_spawn(args, 1, r, port) for r in range(2)]}
     try:
         ready = {name: _read(procs[0])["ready"] for name, procs in engines.items()}
+        engines.update({"tp=1, 1 thread": [_spawn(args, 1, None, 0)], "tp=1, 2 threads": [_spawn(args, 2, None, 0)]})
+        ready.update({name: _read(engines[name][0])["ready"] for name in ("tp=1, 1 thread", "tp=1, 2 threads")})
+        load = [os.getloadavg()[0]]
         runs = {name: [] for name in engines}
         for _ in range(args.repeats):
             for name, procs in engines.items():
                 procs[0].stdin.write("go\n")
                 procs[0].stdin.flush()
                 runs[name].append(_read(procs[0]))
+        load.append(os.getloadavg()[0])
     finally:
         for procs in engines.values():
             for p in procs:
@@ -167,10 +172,10 @@ def main() -> None:
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-    report(args, ready, runs)
+    report(args, ready, runs, load)
 
 
-def report(args, ready: dict, runs: dict) -> None:
+def report(args, ready: dict, runs: dict, load: list[float]) -> None:
     base = "tp=1, 1 thread"
     tok_s = {name: statistics.median(r["tok_s"] for r in rs) for name, rs in runs.items()}
     tp2 = "tp=2, 1 thread/rank"
@@ -180,7 +185,8 @@ def report(args, ready: dict, runs: dict) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(f"\n{cpu}, {os.cpu_count()} cores; {'tiny Llama' if args.tiny else 'SmolLM2-135M'} {args.dtype}, batch 1, "
-          f"{args.new_tokens} new tokens, median of {args.repeats} interleaved runs")
+          f"{args.new_tokens} new tokens, median of {args.repeats} interleaved runs; 1-min load average "
+          f"{load[0]:.1f} before, {load[1]:.1f} after (a shared machine: other processes take cores too)")
     for name in runs:
         print(f"{name:22} {tok_s[name]:8.1f} tok/s  step {1e3 / tok_s[name]:7.2f} ms  {tok_s[name] / tok_s[base]:5.2f}x "
               f"tp=1/1 thread  weights held {ready[name]['held_bytes'] / 2**20:7.1f} MiB"
@@ -193,7 +199,9 @@ def report(args, ready: dict, runs: dict) -> None:
     with open(args.out, "w") as f:
         json.dump({"cpu": cpu, "cores": os.cpu_count(), "model": "tiny" if args.tiny else "SmolLM2-135M",
                    "dtype": args.dtype, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                   "decode_tok_s": tok_s, "ratio_vs_tp1_1thread": {k: v / tok_s[base] for k, v in tok_s.items()},
+                   "load_average_before_after": load, "decode_tok_s": tok_s,
+                   "decode_tok_s_runs": {k: [r["tok_s"] for r in rs] for k, rs in runs.items()},
+                   "ratio_vs_tp1_1thread": {k: v / tok_s[base] for k, v in tok_s.items()},
                    "tp2_all_reduces_per_step": n_ar, "tp2_all_reduce_ms": ar_ms, "tp2_step_ms": step_ms,
                    "tp2_all_reduce_share": n_ar * ar_ms / step_ms, "tp2_broadcast_ms_per_step": bcast,
                    "held_bytes": {k: v["held_bytes"] for k, v in ready.items()}, "tp2_note": ready[tp2]["note"],
