@@ -81,8 +81,13 @@ def assert_matches(ref: dict, ranks: list[dict], case: str, atol: float = 1e-4) 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_match_one_process(ranks, case):
-    """Greedy tokens identical, logits within fp32 summation-order tolerance, on both ranks."""
-    assert_matches(workload(dc.optimize(build(case), num_kv_blocks=32), case), ranks, case)
+    """Greedy tokens identical, logits within fp32 summation-order tolerance, on both ranks (mixtral: with
+    each rank's split experts still fused into devin::moe_experts, as in one process)."""
+    ref = workload(dc.optimize(build(case), num_kv_blocks=32), case)
+    assert_matches(ref, ranks, case)
+    assert [r[case]["experts_note"] for r in ranks] == [ref["experts_note"]] * 2
+    if case == "mixtral":
+        assert "prefill: 2 MoE expert blocks fused" in ref["experts_note"]
 
 
 @pytest.mark.slow
