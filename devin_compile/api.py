@@ -23,6 +23,7 @@ from .optimized_model import OptimizedModel
 from .runtime.build import ModelIdentity, build_engine
 from .runtime.distributed import BroadcastRunner, RankGroup, agree_on_blocks, init_rank_group, rank_info
 from .runtime.kv_prune import active_config as active_kv_prune
+from .runtime.kv_tiers_tp import rank_tiers_for
 from .runtime.scratch import scratch_step, scratch_steps
 from .runtime.speculative.factory import DraftBuilder
 from .weights import own_weights
@@ -70,13 +71,18 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
     if model is callers and group is None:  # (a converted copy dies with this call: the program keeps what it reads)
         own_weights(program, model)
     drafts = DraftBuilder(model, tokenizer, vocab_size=info.vocab_size, dtype=info.dtype, compile=optimize)
-    proposer = drafts(config.speculative) if config.speculative is not None else None
+    # tensor_parallel > 1: rank 0 alone proposes (a draft model runs whole there, tensor_parallel=1)
+    speculates = config.speculative is not None and (group is None or group.rank == 0)
+    proposer = drafts(config.speculative) if speculates else None
     identity = ModelIdentity.of(model, compiled.quant_identity) if config.kv_cache_tiers else None
+    tiers_for = None
     if group is not None:  # this rank's heads; a KV pool of the same number of blocks on every rank
+        tiers_for = rank_tiers_for(group, info)  # KV tiers of whole blocks, on rank 0
         info = rank_info(info, group.spec)
         config = agree_on_blocks(group, info, config)
     t_build = time.perf_counter()
-    engine = build_engine(program, info, config, tokenizer=tokenizer, proposer=proposer, identity=identity)
+    engine = build_engine(program, info, config, tokenizer=tokenizer, proposer=proposer, identity=identity,
+                          kv_tiers_for=tiers_for)
     log.info("engine built in %.1f s (KV pool%s); optimize() took %.1f s", time.perf_counter() - t_build,
              ", kernel warm-up" if config.warmup else "", time.perf_counter() - t0)
     if group is not None and group.rank == 0:

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "devin_compile"
 
 # Bottom up. A module's floor is the first entry whose prefix matches its dotted name.
 FLOORS: list[tuple[str, ...]] = [
-    ("step", "graph_utils", "compile_lock", "validation", "text"),
+    ("step", "graph_utils", "graph_experts", "compile_lock", "validation", "text"),
     ("backends",),
     ("ops",),
     ("config", "capture", "pipeline", "weights", "quant", "cache", "compile_cache"),

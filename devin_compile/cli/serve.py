@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from . import common
+from . import common, ranks
 
 HELP = "serve a model over HTTP with the OpenAI API (completions, chat, streaming, metrics)"
 DESCRIPTION = ("Load SmolLM2-135M-Instruct (or --model PATH), optimize it, and serve it on http://HOST:PORT with "
@@ -75,6 +75,7 @@ def add_optimize_arguments(p) -> None:
     common.add_speculative_arguments(p, "decode with speculative decoding by this method (a server request can "
                                         "turn it off or tune it with the extra body field \"speculative\")")
     common.add_quant_arguments(p)
+    ranks.add_arguments(p)
 
 
 def add_arguments(p) -> None:
@@ -175,6 +176,8 @@ def optimize_options(args) -> dict:
                       "write_through": args.kv_cache_redis_write_through})
     if tiers:
         options["kv_cache_tiers"] = tiers
+    if args.tensor_parallel > 1:
+        options["tensor_parallel"] = args.tensor_parallel
     options = common.check_options(args, **common.quant_options(args, options))
     spec = common.speculative_config(args)  # after the check: a --draft-model path is loaded in main()
     if spec is not None:
@@ -210,8 +213,14 @@ def main(args) -> int:
             raise FileNotFoundError(f"--trace-file {args.trace_file}: folder {folder} does not exist")
     elif args.trace_steps and not any(os.environ.get(v) for v in OTLP_VARIABLES):
         raise ValueError("--trace-steps needs tracing on: give --trace-file FILE or set OTEL_EXPORTER_OTLP_ENDPOINT")
-    con = common.console()
-    opt = load_optimized(args, options, con)
+    launched = ranks.launch(args, stop_s=args.shutdown_timeout + 15)  # --tensor-parallel: spawn the ranks
+    if launched is not None:
+        return launched
+    group = ranks.join(args, options.get("device"))
+    opt = load_optimized(args, options, ranks.console(group))
+    if group is not None and group.rank != 0:
+        return ranks.follow(opt)  # rank 0 serves; this rank runs its steps
+    from ..runtime.rank_watch import RankWatch
     from ..serve.app import Server
     from ..serve.server import serve
 
@@ -228,6 +237,13 @@ def main(args) -> int:
     def ready(url: str) -> None:
         print(f"serving {server.model_name} on {url}/v1 (Ctrl-C or SIGTERM to stop)", flush=True)
 
+    watch = None
+    if group is not None:  # a lost rank: /health 503, a message, exit 1 (cli/ranks.py, runtime/rank_watch.py)
+        watch = RankWatch(group, min(5.0, args.tp_timeout / 4), ranks.fatal_after(),
+                          probe=lambda: server.engine.error).start()
     serve(server, args.host, args.port, shutdown_timeout=args.shutdown_timeout, on_ready=ready)
+    if watch is not None:
+        watch.stop()
+        ranks.finish(opt)
     print("server stopped", file=sys.stderr, flush=True)
     return 0

@@ -1,13 +1,20 @@
 """Tensor parallelism: which heads a rank holds, and which options and models it accepts.
 
-``optimize(model, tensor_parallel=N)`` splits every decoder layer over N ranks (Megatron style):
-rank r holds query heads ``[r·Hq/N, (r+1)·Hq/N)`` and the KV heads those query heads read.
-With ``N | Hkv`` each rank holds ``Hkv/N`` KV heads of its own; with ``Hkv | N`` (fewer KV heads
-than ranks) each rank holds the one KV head its query heads share, so ``N/Hkv`` ranks keep a
-copy of each KV head (replication). Any other pairing would give a rank query heads of two
-groups that share a KV head with another rank unevenly; it is refused. :func:`head_shard`
-decides it; :func:`check_model` and :func:`check_options` refuse what is not supported, with one
-``ValueError`` before capture or any weight moves.
+``optimize(model, tensor_parallel=N)`` splits every decoder layer over N ranks (Megatron style).
+Heads go to ranks in whole GQA groups (a KV head and the ``Hq/Hkv`` query heads that read it), so
+each rank's ``paged_attention`` keeps the model's group size and no query head reads a KV head
+another rank holds:
+
+- ``Hkv >= N``: rank r holds a contiguous run of KV groups, ``Hkv/N`` each; when N does not divide
+  Hkv the first ``Hkv mod N`` ranks hold one group more (SmolLM2, 9 query / 3 KV heads at N=2:
+  rank 0 query heads 0-5 with KV heads 0-1, rank 1 query heads 6-8 with KV head 2). No head is
+  stored twice; the ranks' attention and q/o shares differ by one group.
+- ``Hkv < N`` and ``Hkv | N``, ``N | Hq``: rank r holds query heads ``[r·Hq/N, (r+1)·Hq/N)`` and the one
+  KV head they share, so ``N/Hkv`` ranks keep a copy of each KV head (replication).
+
+Anything else would cut a group between ranks (a rank with an uneven mix of groups); it is
+refused. :func:`head_shard` decides it; :func:`check_model` and :func:`check_options` refuse what
+is not supported, with one ``ValueError`` before capture or any weight moves.
 """
 from __future__ import annotations
 
@@ -17,16 +24,17 @@ from typing import Any
 #: Options that do not combine with ``tensor_parallel`` > 1 yet, and why.
 _UNSUPPORTED = {
     "kv_prune": "KV pruning edits rank 0's KV pool only",
-    "speculative": "the draft model would run on rank 0 only",
-    "kv_cache_tiers": "the KV tiers copy blocks of rank 0's KV pool only",
     "compile_decode": "the ahead-compiled decode graph is not tested with collectives yet",
     "verify": "the probe compares against an unsharded graph",
-    "quantization": "quantized weights are computed for the unsharded linears",
-    "quantized": "quantized weights are computed for the unsharded linears",
+    "quantization": ("INT4/FP8 weights are computed for the unsharded linears (sharding them on group boundaries "
+                     "is not implemented); drop quantization= or use tensor_parallel=1"),
+    "quantized": ("a saved INT4/FP8 artifact holds the unsharded linears (sharding them on group boundaries is "
+                  "not implemented); load the unquantized model or use tensor_parallel=1"),
     "offload_layers": "offloading is not tested with collectives yet",
 }
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts")
 
 
 @dataclass(frozen=True)
@@ -59,21 +67,22 @@ class TensorParallelSpec:
 
 def head_shard(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> HeadShard:
     """The query and KV heads rank ``rank`` of ``tp`` holds (see the module docstring)."""
-    if num_heads % tp:
-        raise ValueError(f"tensor_parallel={tp} does not divide the model's {num_heads} query heads; "
-                         f"use a tensor_parallel that divides {num_heads}")
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
-    per_rank = num_heads // tp
-    q = range(rank * per_rank, (rank + 1) * per_rank)
-    if num_kv_heads % tp == 0:
-        n = num_kv_heads // tp
-        return HeadShard(q, range(rank * n, (rank + 1) * n))
-    if tp % num_kv_heads == 0:  # fewer KV heads than ranks: each rank keeps the one its queries read
-        kv = q.start // (num_heads // num_kv_heads)
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp:  # whole KV groups per rank; the first Hkv % tp ranks take one more
+        base, extra = divmod(num_kv_heads, tp)
+        start = rank * base + min(rank, extra)
+        kv = range(start, start + base + (rank < extra))
+        return HeadShard(range(kv.start * group, kv.stop * group), kv)
+    if tp % num_kv_heads == 0 and num_heads % tp == 0:  # fewer KV heads than ranks: each rank keeps the one its queries read
+        per_rank = num_heads // tp
+        q = range(rank * per_rank, (rank + 1) * per_rank)
+        kv = q.start // group
         return HeadShard(q, range(kv, kv + 1))
-    raise ValueError(f"tensor_parallel={tp} and the model's {num_kv_heads} KV heads: one must divide the other "
-                     "(each rank holds whole KV heads, or one KV head that several ranks keep a copy of)")
+    raise ValueError(f"tensor_parallel={tp} does not split the model's {num_heads} query heads over its {num_kv_heads} "
+                     f"KV heads: with more ranks than KV heads, the ranks must divide both (use a tensor_parallel "
+                     f"of at most {num_kv_heads}, or a multiple of {num_kv_heads} that divides {num_heads})")
 
 
 def check_model(num_heads: int, num_kv_heads: int, tp: int, *, mla: bool, hf_config: Any = None) -> None:
@@ -81,11 +90,22 @@ def check_model(num_heads: int, num_kv_heads: int, tp: int, *, mla: bool, hf_con
     if mla:
         raise ValueError("tensor_parallel > 1 does not support multi-head latent attention (DeepSeek MLA) yet")
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    experts = [k for k in _MOE_KEYS if (getattr(text, k, 0) or 0) > 0]
-    if experts:
-        raise ValueError(f"tensor_parallel > 1 does not support mixture-of-experts models ({experts[0]}="
-                         f"{getattr(text, experts[0])}): expert parallelism is not implemented")
     head_shard(num_heads, num_kv_heads, tp, 0)
+    if any((getattr(text, k, 0) or 0) > 0 for k in _MOE_KEYS):
+        _check_experts(text, tp)
+
+
+def _check_experts(text: Any, tp: int) -> None:
+    """Routed experts split by intermediate features (every expert on every rank): no shared expert
+    (its gate linear is not split), and ``tp`` divides the experts' intermediate size."""
+    shared = [k for k in _SHARED_EXPERT_KEYS if (getattr(text, k, 0) or 0) > 0]
+    if shared:
+        raise ValueError(f"tensor_parallel > 1 does not support mixture-of-experts models with shared experts "
+                         f"({shared[0]}={getattr(text, shared[0])}) yet; use tensor_parallel=1")
+    size = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0)
+    if size % tp:
+        raise ValueError(f"tensor_parallel={tp} does not divide the experts' intermediate size {size}: every "
+                         f"expert is split over the ranks; use a tensor_parallel that divides {size}")
 
 
 def check_options(config: Any) -> None:

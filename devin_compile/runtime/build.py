@@ -46,9 +46,11 @@ class ModelIdentity:
 
 
 def build_engine(program: Program, info: ModelInfo, config: OptimizeConfig, *, tokenizer=None,
-                 proposer: Proposer | None = None, identity: ModelIdentity | None = None) -> Engine:
+                 proposer: Proposer | None = None, identity: ModelIdentity | None = None,
+                 kv_tiers_for=None) -> Engine:
     """The engine that runs ``program`` under ``config``. ``identity`` is needed with ``kv_cache_tiers``;
-    ``proposer`` with ``speculative``."""
+    ``proposer`` with ``speculative``; ``kv_tiers_for(config, pool, identity)`` builds the KV tiers instead
+    of :func:`kv_tiers_over` (tensor parallelism: runtime/kv_tiers_tp.py)."""
     spec = KVCacheSpec(info.num_layers, dtype=info.dtype, block_size=config.cache.block_size, **info.kv_cache_layout)
     num_blocks = blocks_for_budget(spec, info.device, num_blocks=config.cache.num_blocks,
                                    memory_bytes=config.cache.memory_bytes, memory_fraction=config.cache.memory_fraction)
@@ -66,10 +68,12 @@ def build_engine(program: Program, info: ModelInfo, config: OptimizeConfig, *, t
     speculative = SpeculativeDecoder(config.speculative, proposer) if config.speculative is not None else None
     return Engine(runner, config.scheduler, max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                   tokenizer=tokenizer, enable_prefix_caching=config.cache.enable_prefix_caching and states is None,
-                  kv_prune=config.kv_prune, kv_tiers=_kv_tiers(config, pool, identity), speculative=speculative)
+                  kv_prune=config.kv_prune, kv_tiers=(kv_tiers_for or kv_tiers_over)(config, pool, identity),
+                  speculative=speculative)
 
 
-def _kv_tiers(config: OptimizeConfig, pool: PagedKVCache, identity: ModelIdentity | None) -> KVTiers | None:
+def kv_tiers_over(config: OptimizeConfig, pool: PagedKVCache, identity: ModelIdentity | None) -> KVTiers | None:
+    """``config``'s KV tiers over ``pool``, keyed by the model's ``identity`` (None without tiers)."""
     if not config.kv_cache_tiers:
         return None
     if identity is None:

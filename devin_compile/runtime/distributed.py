@@ -17,8 +17,10 @@ group beside the NCCL one on CUDA).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -43,6 +45,11 @@ class RankGroup:
     world_size: int
     group_name: str
     messages: Any  # a ProcessGroup (gloo)
+    # Rank 0 holds it while it sends a message and runs the forward that follows (so a heartbeat from
+    # another thread never lands between a step's collectives)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    # Why the group can no longer work (a rank died or hung), once known; the server's /health reports it
+    failure: str | None = None
 
     @property
     def spec(self) -> TensorParallelSpec:
@@ -53,6 +60,34 @@ class RankGroup:
         box = [message]
         dist.broadcast_object_list(box, src=0, group=self.messages)
         return box[0]
+
+    def ping(self, blocking: bool = True) -> bool:
+        """Rank 0: a round trip through every rank (a message, then an all_reduce they answer), so a rank
+        that died or hangs raises here within the group's timeout. Without ``blocking``, False (and no
+        ping) while a step holds the group: the step's own collectives show the ranks alive."""
+        if not self.lock.acquire(blocking=blocking):
+            return False
+        try:
+            self.broadcast(("ping", None))
+            self.agree_min(0)
+        finally:
+            self.lock.release()
+        return True
+
+    def gather_blocks(self, pool: Any, blocks: list[int]) -> list[torch.Tensor] | None:
+        """Every rank's K/V of pool ``blocks`` ([layers, planes, len(blocks), block_size, its KV heads,
+        head_dim], on the host), in rank order on rank 0; None on the others."""
+        part = pool.data[:, :, blocks].to("cpu")
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(part, out, dst=0, group=self.messages)
+        return out
+
+    def scatter_blocks(self, pool: Any, blocks: list[int], parts: list[torch.Tensor] | None = None) -> None:
+        """Write into pool ``blocks`` of every rank its part (rank 0 gives ``parts``, one per rank, shaped
+        like :meth:`gather_blocks`' result)."""
+        box = [None]
+        dist.scatter_object_list(box, parts if self.rank == 0 else None, src=0, group=self.messages)
+        pool.data[:, :, blocks] = box[0].to(pool.data.device)
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks."""
@@ -77,12 +112,14 @@ def check_world(tp: int) -> None:
                          "(one tensor-parallel group over the whole world)")
 
 
-def init_rank_group(tp: int, device: torch.device) -> RankGroup:
-    """The rank group, initialising ``torch.distributed`` from the environment (gloo on CPU, NCCL on CUDA)
-    when no process group exists, and using the existing one otherwise."""
+def init_rank_group(tp: int, device: torch.device, timeout_s: float | None = None) -> RankGroup:
+    """The rank group, initialising ``torch.distributed`` from the environment (gloo on CPU, NCCL on CUDA;
+    a collective that waits longer than ``timeout_s`` raises, default torch's) when no process group
+    exists, and using the existing one otherwise."""
     check_world(tp)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", timeout=timeout)
     world = dist.group.WORLD
     messages = world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
     return RankGroup(dist.get_rank(), dist.get_world_size(), world.group_name, messages)
@@ -124,18 +161,27 @@ class BroadcastRunner:
         return self.local.block_size
 
     def execute(self, batch, kv_prune=None):
-        return self.local.execute(batch, kv_prune)
+        with self.group.lock:
+            return self.local.execute(batch, kv_prune)
 
     def forward_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
-        return self.local.forward_logits(token_ids, block_table)
+        with self.group.lock:
+            return self.local.forward_logits(token_ids, block_table)
 
 
 def follow(runner: ModelRunner, group: RankGroup) -> Any:
-    """A non-zero rank: run rank 0's broadcast forwards until it says the call is done; its result."""
+    """A non-zero rank: run rank 0's broadcast forwards (and answer its pings) until it says the call
+    is done; its result."""
     while True:
         kind, payload = group.broadcast()
         if kind == "run":
             runner.run(*payload)
+        elif kind == "ping":
+            group.agree_min(0)
+        elif kind == "kv_gather":  # rank 0's KV tiers store (or load) whole blocks: runtime/kv_tiers_tp.py
+            group.gather_blocks(runner.kv_cache, payload)
+        elif kind == "kv_scatter":
+            group.scatter_blocks(runner.kv_cache, payload)
         elif kind == "done":
             return payload
         elif kind == "error":
@@ -153,7 +199,9 @@ def on_all_ranks(group: RankGroup | None, runner: Any, call: Callable[[], T]) ->
     try:
         result = call()
     except BaseException as e:
-        group.broadcast(("error", f"{type(e).__name__}: {e}"))
+        with group.lock:
+            group.broadcast(("error", f"{type(e).__name__}: {e}"))
         raise
-    group.broadcast(("done", result))
+    with group.lock:
+        group.broadcast(("done", result))
     return result

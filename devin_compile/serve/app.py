@@ -136,6 +136,9 @@ class Server:
     async def health(self, request: Request) -> Response:
         if self.engine.error is not None:
             return JSONResponse({"status": "error", "error": str(self.engine.error)}, status_code=503)
+        lost = getattr(getattr(self.opt, "rank_group", None), "failure", None)  # tensor parallelism: a rank died or hangs
+        if lost is not None:
+            return JSONResponse({"status": "error", "error": lost}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:

@@ -7,12 +7,17 @@ Pattern → replacement, per attention layer (``devin::paged_attention`` over q 
     out   = linear(a, W_o[, b])     →  wait(all_reduce(linear(a, W_o[:, rank's q heads · D]), sum))[+ b]
     gate|up = linear(x, W)          →  linear(x, W[rank's I/N rows])            # column-parallel
     down  = linear(h, W_d[, b])     →  wait(all_reduce(linear(h, W_d[:, rank's I/N cols]), sum))[+ b]
+    experts: W_gate_up [E, 2F, H]   →  W_gate_up[:, rank's F/N gate rows ++ its F/N up rows]
+             W_down [E, H, F]       →  W_down[:, :, rank's F/N cols];  out = slot sum → wait(all_reduce(out, sum))
 
-Rank r holds query heads ``[r·Hq/N, (r+1)·Hq/N)`` and the KV heads they read (split when ``N | Hkv``,
-one KV head kept by ``N/Hkv`` ranks when ``Hkv | N``; ``config/tensor_parallel.py``), so each
-``paged_attention`` sees ``Hq/N`` query heads and the rank's KV heads, and the rank's KV pool holds
+Rank r holds whole GQA groups (a contiguous run of KV heads and the query heads that read them; the
+first ``Hkv mod N`` ranks one group more, SmolLM2's 3 groups at N=2 as 2 + 1), or, with fewer KV heads
+than ranks, ``Hq/N`` query heads and a copy of the one KV head they share (``config/tensor_parallel.py``),
+so each ``paged_attention`` sees the rank's query and KV heads, and the rank's KV pool holds
 only those (the runtime builds it from the rank-local ``ModelInfo``). Per-head constants of the op
-(ALiBi slopes, attention sinks) keep the rank's heads. Embeddings, norms and the logits linear stay
+(ALiBi slopes, attention sinks) keep the rank's heads. Routed experts (Mixtral & co.) keep every
+expert on every rank with 1/N of its intermediate features; the router stays whole, so each rank
+routes every token exactly as one process does. Embeddings, norms and the logits linear stay
 whole on every rank (replicated: every rank computes the full logits; rank 0 samples them).
 The collectives are ``torch.ops._c10d_functional`` (gloo on CPU, NCCL on CUDA) over the process
 group named in :class:`~devin_compile.config.tensor_parallel.TensorParallelSpec`.
@@ -30,8 +35,8 @@ import torch.fx
 from ...config.tensor_parallel import TensorParallelSpec
 from ...graph_utils import counted_nodes, eliminate_dead_code, linear_bias, node_delta
 from ...pipeline import Pass, PassContext, PassError, PassResult
-from .plan import AttentionShard, ShardPlan, module_of, plan_shards
-from .rewrite import column_parallel, keep, refresh_shapes, row_parallel, tensor_of
+from .plan import AttentionShard, ExpertsShard, ShardPlan, module_of, plan_shards
+from .rewrite import column_parallel, keep, refresh_shapes, row_parallel, sum_over_ranks, tensor_of
 
 
 class ShardTensorParallel(Pass):
@@ -77,15 +82,33 @@ class ShardTensorParallel(Pass):
                 column_parallel(gm, lin, spec.rows(width))
             changed.update(_params(*mlp.columns, mlp.row))
             row_parallel(gm, mlp.row, spec.rows(width), spec.group_name)
+        for block in plan.experts:
+            changed.update(_split_experts(gm, block, spec))
         refresh_shapes(gm, changed)
         local = _weight_bytes(gm, plan)
         n_row = len(plan.attention) + len(plan.mlps)
+        moe = (f", {len(plan.experts)} expert blocks split by intermediate features ({len(plan.experts)} all_reduce, "
+               "routers replicated)") if plan.experts else ""
         return PassResult(
-            matches=len(plan.linears()),
+            matches=len(plan.linears()) + len(plan.experts),
             note=(f"rank {spec.rank}/{spec.world_size}: {len(plan.linears()) - n_row} column-parallel and {n_row} "
-                  f"row-parallel linears ({n_row} all_reduce), {len(heads.q)} query / {len(heads.kv)} KV heads "
+                  f"row-parallel linears ({n_row} all_reduce){moe}, {len(heads.q)} query / {len(heads.kv)} KV heads "
                   f"per layer, {len(plan.replicated)} logits linear replicated; split weights {local} of {full} "
                   f"bytes on this rank; {node_delta(gm, before)}"))
+
+
+def _split_experts(gm: torch.fx.GraphModule, block: ExpertsShard, spec: TensorParallelSpec) -> list[torch.fx.Node]:
+    """Every expert keeps this rank's F/N intermediate features: gate and up rows alike (W_gate_up holds
+    gate then up, which the graph chunks in two), the same down columns; the slot sum is summed over ranks."""
+    f = tensor_of(gm, block.down).shape[2]
+    if f % spec.world_size or tensor_of(gm, block.gate_up).shape[1] != 2 * f:
+        raise PassError(f"{block.path}: expert intermediate size {f} does not split over "
+                        f"tensor_parallel={spec.world_size} ranks")
+    rows = spec.rows(f)
+    keep(gm, block.gate_up, [rows, range(f + rows.start, f + rows.stop)], 1)
+    keep(gm, block.down, rows, 2)
+    sum_over_ranks(gm, block.out, spec.group_name)
+    return [block.gate_up, block.down]
 
 
 def _params(*linears: torch.fx.Node) -> list[torch.fx.Node]:
@@ -94,7 +117,7 @@ def _params(*linears: torch.fx.Node) -> list[torch.fx.Node]:
 
 def _weight_bytes(gm: torch.fx.GraphModule, plan: ShardPlan) -> int:
     """Bytes of the weights (and biases) of the linears the plan splits."""
-    nodes = set(_params(*plan.linears()))
+    nodes = set(_params(*plan.linears())) | {n for e in plan.experts for n in (e.gate_up, e.down)}
     return sum(tensor_of(gm, n).nbytes for n in nodes)
 
 

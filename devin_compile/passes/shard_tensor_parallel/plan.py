@@ -6,17 +6,21 @@
 - MLP: a linear whose input comes, through elementwise ops only (activations, products, casts,
   scalar arithmetic), from linears that all read one tensor: those are column-parallel, it is
   row-parallel (gate/up → down, fc1 → fc2); nothing else may read the column outputs;
+- routed experts (HF's grouped expert GEMMs, the chain ``fuse_moe_experts`` matches): each expert's
+  gate/up rows and down columns split alike over its intermediate features; the router linear (the
+  one the expert ids come from) stays whole, so routing is exact on every rank;
 - the logits linear stays whole on every rank (replicated); so do embeddings and norms.
 
 Any other linear is a :class:`PassError` naming its module: it is never silently replicated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
+from ...graph_experts import expert_blocks
 from ...graph_utils import is_call, is_logits_linear, param_of
 from ...pipeline import PassError
 
@@ -56,10 +60,23 @@ class MLPShard:
 
 
 @dataclass
+class ExpertsShard:
+    """One routed-experts block: its expert weights (``get_attr`` of W_gate_up [E, 2F, H] and W_down
+    [E, H, F]), the router linear (replicated) and the slot sum (the block's output, a partial sum)."""
+
+    path: str
+    router: torch.fx.Node
+    gate_up: torch.fx.Node
+    down: torch.fx.Node
+    out: torch.fx.Node
+
+
+@dataclass
 class ShardPlan:
     attention: list[AttentionShard]
     mlps: list[MLPShard]
     replicated: list[torch.fx.Node]  # the logits linear(s)
+    experts: list[ExpertsShard] = field(default_factory=list)
 
     def linears(self) -> list[torch.fx.Node]:
         out = [n for a in self.attention for n in (a.q, a.k, a.v, a.o)]
@@ -81,6 +98,8 @@ def plan_shards(gm: torch.fx.GraphModule) -> ShardPlan:
     if not attention:
         raise PassError("shard_tensor_parallel found no devin::paged_attention node; it runs after attention_to_paged")
     taken = {n for a in attention for n in (a.q, a.k, a.v, a.o)}
+    experts = _experts(gm)
+    taken.update(e.router for e in experts)
     linears = [n for n in gm.graph.nodes if is_call(n, aten.linear.default)]
     mlps: list[MLPShard] = []
     for node in linears:
@@ -101,7 +120,22 @@ def plan_shards(gm: torch.fx.GraphModule) -> ShardPlan:
     for n in (*taken, *replicated):
         if param_of(gm, n.args[1]) is None:
             raise PassError(f"{module_of(n)}: linear {n.name} has no weight parameter; cannot split it")
-    return ShardPlan(attention, mlps, replicated)
+    return ShardPlan(attention, mlps, replicated, experts)
+
+
+def _experts(gm: torch.fx.GraphModule) -> list[ExpertsShard]:
+    """Every routed-experts block, or a :class:`PassError` naming one whose chain is not HF's."""
+    out = []
+    for gate_up, m in expert_blocks(gm):
+        path = module_of(gate_up).rpartition(".")[0] or module_of(gate_up)
+        if isinstance(m, str):
+            raise PassError(f"{path}: cannot split its experts over ranks: {m}")
+        router = _one_source_linear(m.ids, path, "expert ids")
+        weights = (gate_up.args[1].args[0], m.down_gemm.args[1].args[0])
+        if any(w.op != "get_attr" or len(w.users) != 1 for w in weights):
+            raise PassError(f"{path}: its expert weights are not parameters read once; cannot split them")
+        out.append(ExpertsShard(path, router, *weights, m.out))
+    return out
 
 
 def _attention(node: torch.fx.Node) -> AttentionShard:

@@ -33,17 +33,19 @@ def tensor_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor:
     return getattr(gm.get_submodule(prefix) if prefix else gm, attr)
 
 
-def keep(gm: torch.fx.GraphModule, node: object, index: range, dim: int) -> torch.fx.Node | None:
-    """``node`` (a ``get_attr``; None passes through) now reads only ``index`` along ``dim``: a copy,
-    so the full tensor is not held by the graph."""
+def keep(gm: torch.fx.GraphModule, node: object, index: range | list[range], dim: int) -> torch.fx.Node | None:
+    """``node`` (a ``get_attr``; None passes through) now reads only ``index`` along ``dim`` (a range, or
+    ranges put one after another): a copy, so the full tensor is not held by the graph."""
     if node is None:
         return None
     if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
         raise PassError(f"{module_of(node)}: {node} is not a weight of the graph; cannot split it")
     full = tensor_of(gm, node)
-    if full.shape[dim] < index.stop:
+    parts = index if isinstance(index, list) else [index]
+    if any(full.shape[dim] < r.stop for r in parts):
         raise PassError(f"{node.target}: {full.shape[dim]} entries along dim {dim}, cannot keep {index}")
-    set_tensor(gm, node, full.narrow(dim, index.start, len(index)).contiguous().clone())
+    kept = torch.cat([full.narrow(dim, r.start, len(r)) for r in parts], dim).contiguous().clone()
+    set_tensor(gm, node, kept)
     return node
 
 
@@ -61,17 +63,25 @@ def row_parallel(gm: torch.fx.GraphModule, linear: torch.fx.Node, cols: range, g
     bias = linear_bias(linear)
     if bias is not None:
         linear.args = linear.args[:2]
-    graph = gm.graph
-    users = list(linear.users)
-    with graph.inserting_after(linear):
-        summed = add_call(graph, _c10d.all_reduce.default, (linear, "sum", group_name), like=linear)
-    with graph.inserting_after(summed):
-        out = add_call(graph, _c10d.wait_tensor.default, (summed,), like=linear)
+    out = sum_over_ranks(gm, linear, group_name)
     if bias is not None:
-        with graph.inserting_after(out):
-            out = add_call(graph, torch.ops.aten.add.Tensor, (out, bias), like=linear)
+        with gm.graph.inserting_after(out):
+            summed = add_call(gm.graph, torch.ops.aten.add.Tensor, (out, bias), like=linear)
+        out.replace_all_uses_with(summed, delete_user_cb=lambda u: u is not summed)
+        out = summed
+    return out
+
+
+def sum_over_ranks(gm: torch.fx.GraphModule, node: torch.fx.Node, group_name: str) -> torch.fx.Node:
+    """Every user of ``node`` (a partial sum) now reads its sum over the ranks: ``wait(all_reduce(node))``."""
+    graph = gm.graph
+    users = list(node.users)
+    with graph.inserting_after(node):
+        summed = add_call(graph, _c10d.all_reduce.default, (node, "sum", group_name), like=node)
+    with graph.inserting_after(summed):
+        out = add_call(graph, _c10d.wait_tensor.default, (summed,), like=node)
     for u in users:
-        u.replace_input_with(linear, out)
+        u.replace_input_with(node, out)
     return out
 
 
