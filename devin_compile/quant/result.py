@@ -37,6 +37,12 @@ class QLinear:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape) if self.q is not None else self.dims
 
+    @property
+    def rows_are_weight_rows(self) -> bool:
+        """Whether the dequantized rows approximate the original weight's rows (no AWQ scales folded in), so a
+        tied embedding can read them."""
+        return self.in_scale is None and self.row_scale is None
+
     def fp_weight(self, w: torch.Tensor) -> torch.Tensor:
         """The full-precision weight this linear must use when kept unquantized (AWQ folded
         scales into its input producer, so the original ``w`` no longer applies)."""

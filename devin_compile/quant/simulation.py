@@ -14,17 +14,19 @@ def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None 
     """A deep copy of ``model`` with the linears in ``int4`` (default: all but ``fp8``) replaced by
     their dequantized INT4 weights, those in ``fp8`` by their dequantized FP8 weights and the
     others by their full-precision weights, AWQ folds applied: what the compiled model computes,
-    in eager PyTorch (for tests and evaluation)."""
+    in eager PyTorch (for tests and evaluation). An embedding tied to an INT4 head (no AWQ scales) reads the
+    head's dequantized weight, as the compiled model does."""
     result.check_tensors("simulate()")
     sim = copy.deepcopy(model)
-    if result.head is not None:
-        untie_head(sim)
-    params = dict(sim.named_parameters())
-    lins = quantizable_linears(sim, lm_head=result.head is not None)
     eight = set(fp8 or ())
     chosen = set(result.linears) - eight if int4 is None else set(int4)
     if chosen & eight:
         raise ValueError(f"simulate: linears both INT4 and FP8, e.g. {sorted(chosen & eight)[:3]}")
+    # an INT4 head without AWQ scales stays tied: the embedding reads its rows (devin::int4_embedding)
+    if result.head is not None and not (result.head in chosen and result.linears[result.head].rows_are_weight_rows):
+        untie_head(sim)
+    params = dict(sim.named_parameters())
+    lins = quantizable_linears(sim, lm_head=result.head is not None)
     with torch.no_grad():
         for pname, value in result.overrides.items():
             params[pname].copy_(value)
