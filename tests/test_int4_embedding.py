@@ -50,8 +50,10 @@ def _tied_llama():
     return LlamaForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
 def test_tied_embedding_reads_the_int4_head(method):
+    """Every method: the embedding reads the INT4 head's rows (AWQ's input scale undone per column), the dense
+    table is released, and the compiled model equals the eager simulation (greedy tokens too)."""
     model = _tied_llama()
     table = model.get_input_embeddings().weight
     opt = devin_compile.optimize(model, tokenizer=CharTokenizer(), keep_quant_result=True, quantization={
@@ -60,30 +62,38 @@ def test_tied_embedding_reads_the_int4_head(method):
     assert "1 tied embedding reads the INT4 head" in note
     for gm in opt.program.graphs.values():
         nodes = list(gm.graph.nodes)
-        assert any(n.target is torch.ops.devin.int4_embedding.default for n in nodes)
+        lookups = [n for n in nodes if n.target is torch.ops.devin.int4_embedding.default]
+        assert len(lookups) == 1 and (len(lookups[0].args) == 9) == (method == "awq")  # AWQ: + col_scale
         assert not any(n.target is torch.ops.aten.embedding.default for n in nodes)
     held = {t.untyped_storage().data_ptr() for ts in held_tensors(opt).values() for t in ts
             if t.layout == torch.strided}
     assert table.untyped_storage().data_ptr() not in held  # no dense table kept
     sim = simulate(model, opt.quant_result)
-    assert sim.model.embed_tokens.weight is sim.lm_head.weight  # the simulation reads the head's rows too
+    head = opt.quant_result.linears["lm_head"]
+    assert torch.equal(sim.model.embed_tokens.weight, head.embedding_rows())
+    if method != "awq":
+        assert torch.equal(sim.model.embed_tokens.weight, sim.lm_head.weight)
+    assert (sim.model.embed_tokens.weight - table).abs().max() > 0  # the table really is quantized
     ids = torch.randint(3, 256, (1, 30))
     with torch.no_grad():
         ref, base = sim(ids).logits, model(ids).logits
     out = opt(ids).logits
     assert (out - ref).abs().max() <= 1e-4
     assert (out - base).abs().max() > 1e-4
-    assert opt.generate([[5, 6, 7, 8]], max_new_tokens=8)[0] == sim.generate(
-        torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, do_sample=False)[0, 4:].tolist()
+    prompt = [5, 6, 7, 8]
+    assert opt.generate([prompt], max_new_tokens=8)[0] == sim.generate(
+        torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
 
 
-def test_awq_head_keeps_the_dense_table():
-    """AWQ folds a scale into the head's input (W · diag(s)): its rows are not the embedding's, so the embedding
-    keeps the dense table and the head is untied."""
-    model = _tied_llama()
+def test_untied_head_leaves_the_embedding():
+    """A head that is not tied: the embedding keeps its own table, the simulation too."""
+    torch.manual_seed(4)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
     opt = devin_compile.optimize(model, tokenizer=CharTokenizer(), keep_quant_result=True, quantization={
-        "method": "awq", "group_size": 32, "calib_chunks": 4, "calib_len": 64, "lm_head": True})
+        "method": "rtn", "group_size": 32, "calib_chunks": 2, "calib_len": 64, "lm_head": True})
     note = next(r for r in opt.pass_report.records if r.name == "assign_precision").note
     assert "tied embedding reads" not in note
-    sim = simulate(model, opt.quant_result)
-    assert sim.model.embed_tokens.weight is not sim.lm_head.weight
+    assert torch.equal(simulate(model, opt.quant_result).model.embed_tokens.weight, model.model.embed_tokens.weight)

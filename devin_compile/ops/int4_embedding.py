@@ -3,9 +3,11 @@
 Schema::
 
     devin::int4_embedding(Tensor ids, Tensor qweight, Tensor scales_zeros, int group_size, int num_rows,
-                          int dim, str kernel, ScalarType dtype) -> Tensor
+                          int dim, str kernel, ScalarType dtype, Tensor? col_scale=None) -> Tensor
 
-``ids`` [...] → [..., dim] in ``dtype``: row ``v`` of the head's dequantized weight, for every id. When a
+``ids`` [...] → [..., dim] in ``dtype``: row ``v`` of the head's dequantized weight, for every id, times
+``col_scale`` [dim] (float32) when given: AWQ quantizes the head as ``W · diag(s)``, so the rows are
+multiplied by ``1 / s`` to be the embedding's again. When a
 model ties its embedding to an output head quantized to INT4 (``lm_head=True``), the embedding reads the
 head's INT4 operands (``assign_precision``), so the model holds neither a dense embedding table nor a second
 quantized copy: SmolLM2's 113 MB float32 table becomes the head's ~16 MB. A token's embedding is then the
@@ -27,7 +29,7 @@ from ..backends.int4 import format as fmt
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("int4_embedding(Tensor ids, Tensor qweight, Tensor scales_zeros, int group_size, int num_rows, "
-            "int dim, str kernel, ScalarType dtype) -> Tensor")
+            "int dim, str kernel, ScalarType dtype, Tensor? col_scale=None) -> Tensor")
 
 #: The head layouts the lookup reads.
 KERNELS = ("cpu_c", "cpu", "reference", "triton")
@@ -67,7 +69,8 @@ def _aten_cpu_rows(ids: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, g
 
 
 def int4_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                   num_rows: int, dim: int, kernel: str, dtype: torch.dtype) -> torch.Tensor:
+                   num_rows: int, dim: int, kernel: str, dtype: torch.dtype,
+                   col_scale: torch.Tensor | None = None) -> torch.Tensor:
     flat = ids.reshape(-1)
     if flat.device.type == "cpu" and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_rows):
         raise IndexError(f"devin::int4_embedding: token ids must be in [0, {num_rows}); got "
@@ -80,6 +83,8 @@ def int4_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch
         rows = _aten_cpu_rows(flat, qweight, scales_zeros, group_size, dim)
     else:
         raise ValueError(f"devin::int4_embedding reads the layouts of kernels {KERNELS}, not {kernel!r}")
+    if col_scale is not None:
+        rows = rows * col_scale[None, :]
     return rows.to(dtype).reshape(*ids.shape, dim)
 
 
@@ -87,5 +92,5 @@ _lib.impl("int4_embedding", int4_embedding, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("devin::int4_embedding", lib=_lib)
-def _(ids, qweight, scales_zeros, group_size, num_rows, dim, kernel, dtype):
+def _(ids, qweight, scales_zeros, group_size, num_rows, dim, kernel, dtype, col_scale=None):
     return ids.new_empty((*ids.shape, dim), dtype=dtype, device=qweight.device)
