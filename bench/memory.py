@@ -11,7 +11,8 @@ and the compiler's own caches paid, no SmolLM2 weights): RSS over it is what Smo
 cost. Each row also gives the bytes of the tensors reachable from the ``OptimizedModel``
 (:func:`devin_compile.weights.held_tensors`, KV pool left out), the weights as the program holds them.
 
-Modes: ``dense`` (no quantization), ``int4`` (RTN g64, every decoder linear), ``fp8`` (every
+Modes: ``dense`` (no quantization), ``int4`` (RTN g64, every decoder linear), ``int4_head`` (the same
+and the output head, which a tied embedding then reads: ``devin::int4_embedding``), ``fp8`` (every
 decoder linear), ``mix`` (the three-tier knapsack at half the decoder linears' bf16 bytes: a
 ``memory_fraction`` of 0.5 in bf16, 0.25 in float32),
 all from one RTN artifact with both tiers, made once (calibrated on 2 x 128 tokens of the shipped
@@ -37,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PROMPT_TOKENS = 512
-MODES = ("dense", "int4", "fp8", "mix")
+MODES = ("dense", "int4", "int4_head", "fp8", "mix")
 
 
 def quant_options(mode: str, art: str, dtype: str, **extra) -> dict:
@@ -45,8 +46,10 @@ def quant_options(mode: str, art: str, dtype: str, **extra) -> dict:
     if mode == "dense":
         return {}
     fraction = 0.25 if dtype == "float32" else 0.5  # half the bf16 bytes either way
-    q = {"int4": {"tiers": "int4"}, "fp8": {"tiers": "fp8"},
+    q = {"int4": {"tiers": "int4"}, "int4_head": {"tiers": "int4"}, "fp8": {"tiers": "fp8"},
          "mix": {"tiers": "int4,fp8", "target": {"memory_fraction": fraction}}}[mode]
+    if mode == "int4_head":
+        art = art + "-head"
     return {"quantized": art, "quantization": {**q, **extra}}
 
 
@@ -136,7 +139,9 @@ def child_prefill(task: dict) -> dict:
 
 # ------------------------------------------------------------------ the parent
 def run_child(kind: str, task: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # the compile cache off: every row compiles (a hit would map the program's tensors from its file)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "DEVIN_COMPILE_CACHE_OFF": "1"}
     p = subprocess.run([sys.executable, "-W", "ignore", __file__, "--child", kind, json.dumps(task)],
                        capture_output=True, text=True, env=env, cwd=ROOT)
     if p.returncode != 0:
@@ -153,11 +158,14 @@ def make_artifact() -> str:
 
     cache = Path(os.environ.get("DEVIN_COMPILE_CACHE", Path.home() / ".cache" / "devin_compile"))
     out = cache / "bench-memory" / "smollm2-rtn-g64-int4-fp8"
-    if (out / "quant_config.json").exists():
+    head = out.with_name(out.name + "-head")  # the same, with the output head in INT4 too (mode int4_head)
+    if (out / "quant_config.json").exists() and (head / "quant_config.json").exists():
         return str(out)
     model, tok = load_model(None, torch.float32)
     stats = quant.calibrate(model, tok, num_chunks=2, chunk_len=128, progress=False)
     quant.save(quant.quantize(model, stats, method="rtn", group_size=64, tiers="int4,fp8", progress=False), out)
+    quant.save(quant.quantize(model, stats, method="rtn", group_size=64, tiers="int4,fp8", lm_head=True,
+                              progress=False), head)
     return str(out)
 
 

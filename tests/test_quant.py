@@ -854,8 +854,8 @@ def test_artifact_reloads_to_identical_logits(tiny, tmp_path):
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
 def test_lm_head_quantization_unties_a_tied_head(method, tmp_path):
     """lm_head=True: the tied head gets its own INT4 weight (AWQ folds its scale into the final
-    norm), the embedding keeps reading the model-dtype weight, the compiled model equals the
-    eager simulation, the head has no dense copy, and the artifact reloads to identical logits."""
+    norm; the embedding reads the head's rows: tests/test_int4_embedding.py), the compiled model
+    equals the eager simulation, the head has no dense copy, and the artifact reloads to identical logits."""
     torch.manual_seed(1)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05,
@@ -875,7 +875,6 @@ def test_lm_head_quantization_unties_a_tied_head(method, tmp_path):
     assert model.lm_head.weight is model.model.embed_tokens.weight and torch.equal(model.lm_head.weight, emb)
     sim = simulate(model, res)
     assert sim.lm_head.weight is not sim.model.embed_tokens.weight
-    assert torch.equal(sim.model.embed_tokens.weight, emb)  # only the head is quantized
     assert not torch.equal(sim.lm_head.weight, emb)
     ids = torch.randint(3, 256, (1, 30))
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """``devin::`` custom ops (torch.library): the only door between graphs and kernels."""
 from . import int4_linear  # noqa: F401  (registers devin::int4_linear)
+from . import int4_embedding  # noqa: F401  (registers devin::int4_embedding)
 from . import fp8_linear  # noqa: F401  (registers devin::fp8_linear)
 from . import paged_attention  # noqa: F401  (registers devin::paged_attention)
 from . import kv_prune  # noqa: F401,E402  (registers devin::kv_prune)

@@ -14,8 +14,11 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    ``fuse_projections``, which records them in ``node.meta["fused_weights"]``). Linears the
    result does not cover (lm_head, tied to the embedding in SmolLM2, unless it was quantized
    with ``lm_head=True``) stay as they are; a fused linear covered only in part is a
-   ``PassError``. A quantized head gets its own INT4 weight (a tied embedding keeps reading
-   the model-dtype one) and no dense copy: it only sees the rows that need logits.
+   ``PassError``. A quantized head gets its own INT4 weight and no dense copy: it only sees the
+   rows that need logits. An embedding tied to an INT4 head (without AWQ scales) reads the head's
+   rows (``embedding(W, ids)`` → ``devin::int4_embedding(ids, qweight, scales_zeros, ..., col_scale)``,
+   ``col_scale`` = 1 / AWQ's input scale of the head), so the dense table is released; an FP8 head
+   leaves the embedding on the dense table.
 2. Sensitivity of a graph linear (:func:`~devin_compile.quant.quantize.sensitivity`): the
    estimated increase of the next-token loss when it alone is quantized,
    ``Σ ½ Σ_j fisher_j (ΔW H_g ΔWᵀ)_jj`` over its parts (``fisher``: the calibration's squared
@@ -57,6 +60,7 @@ from ..graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead
                            node_delta, param_of)
 from ..ops import dequant_tiles
 from ..ops import fp8_linear as fp8_op
+from ..ops import int4_embedding
 from ..ops import int4_linear as int4_op
 from ..ops.dense_copy import DenseCopyPolicy, dense_copy_policy
 from ..pipeline import Pass, PassContext, PassError, PassResult
@@ -112,7 +116,7 @@ class AssignPrecision(Pass):
         cands = self._candidates(gm, dtype)
         choice, sens_kind = self._choose_tiers(cands)
         kernels = self._kernels(device, dtype)
-        rows, dense_bytes = [], 0
+        rows, dense_bytes, self.tied_rows = [], 0, 0
         for i, (c, tier) in enumerate(zip(cands, choice)):
             parts = [self.result.linears[n] for n in c.names]
             name = c.node.name
@@ -126,6 +130,8 @@ class AssignPrecision(Pass):
         self._apply_overrides(gm)
         eliminate_dead_code(gm)
         note = f"{self._note(cands, choice, rows, kernels, sens_kind, dense_bytes)}; {node_delta(gm, before)}"
+        if self.tied_rows:
+            note += f"; {self.tied_rows} tied embedding reads the INT4 head"
         ctx.outputs.precision_table, ctx.outputs.precision_note = rows, note
         return PassResult(matches=choice.count("int4") + choice.count("fp8"), note=note,
                           details=precision_table_markdown(rows))
@@ -209,6 +215,9 @@ class AssignPrecision(Pass):
                                 w_node, kwargs, kernels.dense_copy)
             new = add_call(gm.graph, torch.ops.devin.int4_linear.default,
                            (node.args[0], qw_node, sz_node, c.group_size, c.n, kernels.int4), kwargs, like=node)
+        if head and parts[0].embedding_readable:
+            self.tied_rows += _embed_from_head(gm, i, param_of(gm, w_node), (qw_node, sz_node), parts[0], c,
+                                               kernels.int4, dtype)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         return c.fp_bytes if dense else 0
@@ -340,3 +349,32 @@ def precision_table_markdown(rows: list[dict]) -> str:
     notes = sorted({r["group_note"] for r in rows if r["group_note"]})
     lines.extend(f"\n\\* {n}" for n in notes)
     return "\n".join(lines)
+
+
+def _embed_from_head(gm: torch.fx.GraphModule, i: int, w: torch.Tensor | None, consts: tuple, part,
+                     c: Candidate, kernel: str, dtype: torch.dtype) -> int:
+    """Embedding lookups of ``w`` (the head's dense weight, tied) → ``devin::int4_embedding`` of the head's INT4
+    operands ``consts`` (and AWQ's input scale undone per column), so the dense table is no longer read (and is
+    released); returns how many were rewritten."""
+    if w is None:
+        return 0
+    col = part.embedding_col_scale
+    if col is not None:
+        col_node = add_constant(gm, f"int4_{i}_embedding_col_scale", col.to(w.device), fake_like(consts[0], col))
+        consts = (*consts, col_node)
+    count = 0
+    for node in list(gm.graph.nodes):
+        # (embedding's other arguments, padding_idx and the gradient flags, do not change its forward)
+        if is_call(node, aten.embedding.default) and param_of(gm, node.args[0]) is w:
+            with gm.graph.inserting_before(node):  # the head's constants, read again where the lookup is
+                here = []
+                for const in consts:
+                    here.append(gm.graph.get_attr(const.target))
+                    here[-1].meta["val"] = const.meta.get("val")
+                new = add_call(gm.graph, torch.ops.devin.int4_embedding.default,
+                               (node.args[1], *here[:2], c.group_size, c.n, c.k, kernel, dtype, *here[2:]), {},
+                               like=node)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            count += 1
+    return count

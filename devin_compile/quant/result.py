@@ -37,6 +37,23 @@ class QLinear:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape) if self.q is not None else self.dims
 
+    @property
+    def embedding_readable(self) -> bool:
+        """Whether a tied embedding can read this (head's) dequantized rows: no row scale folded in (an AWQ input
+        scale is undone per column: :attr:`embedding_col_scale`)."""
+        return self.row_scale is None
+
+    @property
+    def embedding_col_scale(self) -> torch.Tensor | None:
+        """float32 [K] that turns a dequantized row back into the weight's row (``1 / in_scale``), or None."""
+        return None if self.in_scale is None else 1.0 / self.in_scale.float()
+
+    def embedding_rows(self) -> torch.Tensor:
+        """The rows a tied embedding reads (float32 [N, K]): what ``devin::int4_embedding`` computes."""
+        rows = self.dequantized(torch.float32)
+        scale = self.embedding_col_scale
+        return rows if scale is None else rows * scale[None, :]
+
     def fp_weight(self, w: torch.Tensor) -> torch.Tensor:
         """The full-precision weight this linear must use when kept unquantized (AWQ folded
         scales into its input producer, so the original ``w`` no longer applies)."""
