@@ -74,10 +74,36 @@ def devin_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: 
     patches = dict(options.get("inductor") or {})
     patches.setdefault("post_grad_custom_post_pass", _PostGradCleanup())
     passes_s = time.perf_counter() - start
+    before = _cache_counts()
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    log.info("%s", graph_summary(len(reports) - 1, nodes, example_inputs, report, passes_s,
-                                 time.perf_counter() - start - passes_s))
+    log.info("%s; %s", graph_summary(len(reports) - 1, nodes, example_inputs, report, passes_s,
+                                     time.perf_counter() - start - passes_s), _cache_note(before, _cache_counts()))
     return compiled
+
+
+# torch's own on-disk caches a compile may hit (Dynamo's counters): Inductor's FX-graph cache (the generated
+# kernels and wrapper) and AOTAutograd's cache (the traced joint graph), under torch._inductor's cache_dir().
+_CACHES = (("Inductor FX-graph cache", "inductor", "fxgraph_cache"),
+           ("AOTAutograd cache", "aot_autograd", "autograd_cache"))
+
+
+def _cache_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {f"{group}.{key}_{what}": counters[group][f"{key}_{what}"]
+            for _, group, key in _CACHES for what in ("hit", "miss")}
+
+
+def _cache_note(before: dict[str, int], after: dict[str, int]) -> str:
+    """What torch's caches did for one compile, e.g. "Inductor FX-graph cache hit, AOTAutograd cache miss"."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    said = []
+    for name, group, key in _CACHES:
+        hits, misses = (after[f"{group}.{key}_{w}"] - before[f"{group}.{key}_{w}"] for w in ("hit", "miss"))
+        if hits or misses:
+            said.append(f"{name} {'hit' if hits and not misses else 'miss' if not hits else f'{hits} hit, {misses} miss'}")
+    return (", ".join(said) or "torch's compile caches not consulted") + f" ({cache_dir()})"
 
 
 def graph_summary(index: int, nodes: int, example_inputs: list[Any], report: PassReport, passes_s: float,

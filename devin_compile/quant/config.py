@@ -131,7 +131,8 @@ class QuantConfig:
     # per step (the C kernels; aten's "cpu" kernel has no tiles and runs every step); None: False wherever
     # the tiles exist, True for aten's "cpu" kernel (the fallback without a C compiler)
     dense_prefill: bool | None = None
-    # also quantize the output head (lm_head; untied from a tied embedding, which stays in the model dtype)
+    # also quantize the output head (lm_head); a tied embedding then reads the INT4 head's rows
+    # (devin::int4_embedding): no dense table is kept (SmolLM2 fp32: 0.31x the parameter bytes, not 0.49x)
     lm_head: bool = False
     # calibration and the per-layer loops: True log lines (logger devin_compile.quant, INFO), False silent,
     # or a callable fn(done, total, *info) (quant/progress.py); not part of the config's identity
