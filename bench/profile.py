@@ -1,7 +1,8 @@
 """Where a step's time goes, against this machine's limits measured in the same run.
 
     python bench/profile.py [--dtypes bfloat16 float32] [--int4] [--scenarios b1 b64 mixed]
-                            [--steps 24] [--repeats 5] [--out bench/results/profile.json]
+                            [--steps 24] [--repeats 5] [--base fuse_add_rms_norm=false ...]
+                            [--out bench/results/profile.json]
 
 Scenarios (SmolLM2-135M, optimize() defaults, greedy):
   b1     batch-1 decode steps (one request, 32-token prompt);
@@ -16,14 +17,17 @@ minus its ops), runner input prep (lists → step tensors and metadata), samplin
 output/bookkeeping (the rest of ``Engine.step``). Phase times come from runs without the profiler
 (``perf_counter`` around the engine's phases, median per step over ``--repeats`` runs of ``--steps``
 steps); the op categories come from one ``torch.profiler`` run of the same steps (the top-level ops of
-the graph call, each op's time including its own dispatch), so the Python/dispatch figure is a lower
+the graph call, each op's time including its own dispatch), scaled so that the graph call's split adds
+up to its unprofiled median time (the profiler slows every op); the Python/dispatch figure is a lower
 bound and the op figures an upper bound.
 
 Limits, measured here with the same threads: read bandwidth (the median time of a 256 MiB float32
 reduction) and the GEMM peak per dtype (one 2048×2048×2048 ``F.linear``). Batch 1 reports bytes read
 per token (every tensor the decode graph holds, + the KV cache read at the mean context) and the
 share of the read roofline; the batched steps report GEMM GFLOP/s over the GEMM time and over the
-whole step, as shares of the peak. Writes a markdown table to stdout and JSON to ``--out``.
+whole step, as shares of the peak. ``--base OPTION=VALUE ...`` also profiles each model optimized
+with those options (a "before" in the same process: each scenario runs base, then default, on the
+same loaded model). Writes a markdown table to stdout and JSON to ``--out``.
 """
 from __future__ import annotations
 
@@ -41,11 +45,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
+from devin_compile.benchmarking import cpu_info, gemm_peak, read_bandwidth  # noqa: E402
 from devin_compile.config import parse_dtype  # noqa: E402
 from devin_compile.models import load_model  # noqa: E402
 from devin_compile.runtime.sampling import SamplingParams  # noqa: E402
@@ -57,45 +61,6 @@ CATEGORIES = ("gemm", "attention", "norm_rotary_act", "other_ops", "graph_python
 LABELS = {"gemm": "GEMMs", "attention": "attention", "norm_rotary_act": "norms/rotary/act",
           "other_ops": "other ops", "graph_python": "Python/dispatch (graph)", "runner_prep": "runner prep",
           "sampling": "sampling", "scheduler": "scheduler", "bookkeeping": "bookkeeping (rest)"}
-
-
-# -- the machine and its limits ----------------------------------------------------------------
-def machine() -> dict:
-    info = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    isa = sorted(f for f in info.get("flags", "").split() if f.startswith(("avx512f", "avx512_bf16", "avx512_vnni",
-                                                                          "amx", "avx2")))
-    return {"cpu": info.get("model name", "?"), "isa": isa, "threads": torch.get_num_threads(),
-            "cores": os.cpu_count(), "loadavg": os.getloadavg()}
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def read_bandwidth(repeats: int = 9) -> float:
-    """Bytes/s of a 256 MiB float32 sum (torch's threads)."""
-    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
-    return x.nbytes / _median_time(lambda: x.sum(), repeats)
-
-
-def gemm_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of one n×n×n ``F.linear`` in ``dtype``."""
-    a = torch.randn(n, n).to(dtype)
-    w = torch.randn(n, n).to(dtype)
-    with torch.inference_mode():
-        return 2 * n ** 3 / _median_time(lambda: F.linear(a, w), repeats)
 
 
 # -- the engine's phases ------------------------------------------------------------------------
@@ -243,6 +208,11 @@ def run_scenario(opt, tok, scenario: str, steps: int, repeats: int) -> dict:
     finally:
         ph.remove()
         finish(engine)
+    # the profiler slows every op (and a loaded machine moves any run): the profiled run gives the graph's
+    # split, applied to the unprofiled median graph time, so the parts add up to the step they divide
+    scale = med["graph"] / max(statistics.mean(s["graph"] for s in prof_steps), 1e-12)
+    cats = {c: v * scale for c, v in cats.items()}
+    ops = {o: v * scale for o, v in ops.items()}
     out = {k: med[k] for k in ("scheduler", "sampling", "runner_prep", "bookkeeping")}
     out.update({c: cats.get(c, 0.0) for c in ("gemm", "attention", "norm_rotary_act", "other_ops")})
     out["graph_python"] = max(0.0, med["graph"] - sum(cats.values()))
@@ -293,12 +263,17 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", default=["b1", "b64", "mixed"])
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--base", nargs="*", default=[], metavar="OPTION=VALUE",
+                    help="also profile with these optimize() options (a before/after in one run)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "profile.json"))
     args = ap.parse_args()
-    mach = machine()
+    base = {k: json.loads(v.lower()) if v.lower() in ("true", "false") or v.isdigit() else v
+            for k, v in (o.split("=", 1) for o in args.base)}
+    mach = cpu_info()
     bw = read_bandwidth()
     peaks = {d: gemm_peak(parse_dtype(d)) for d in sorted(set(args.dtypes) | ({"bfloat16"} if args.int4 else set()))}
-    print(f"{mach['cpu']} ({', '.join(mach['isa'])}), {mach['threads']} threads, load {mach['loadavg']}")
+    print(f"{mach['cpu']} ({', '.join(mach['isa'])}), {mach['threads']} threads, load {mach['loadavg']}, "
+          f"OMP_WAIT_POLICY={mach['omp_wait_policy']}")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; GEMM peak " +
           ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peaks.items()), flush=True)
     models = [(d, d, {}) for d in args.dtypes]
@@ -309,23 +284,29 @@ def main() -> None:
     for label, dtype, kw in models:
         model, tok = load_model(None, parse_dtype(dtype))
         shapes = model_shapes(model)
-        opt = devin_compile.optimize(model, tokenizer=tok, max_num_seqs=80, **kw)
-        opt.wait_until_ready()
-        runner = opt.engine.runner
-        wbytes = held_bytes(held_tensors(runner.program.graphs.get("decode") or runner.program.graphs["main"]))
-        kvb = runner.kv_cache.spec.bytes_per_token
+        variants = [(f"{label} (base)", {**kw, **base})] if base else []
+        variants.append((label, kw))
+        opts = []
+        for name, vkw in variants:
+            opt = devin_compile.optimize(model, tokenizer=tok, max_num_seqs=80, **vkw)
+            opt.wait_until_ready()
+            runner = opt.engine.runner
+            graph = runner.program.graphs.get("decode") or runner.program.graphs["main"]
+            opts.append((name, opt, held_bytes(held_tensors(graph)), runner.kv_cache.spec.bytes_per_token))
         for sc in args.scenarios:
-            res = run_scenario(opt, tok, sc, args.steps, args.repeats)
-            res["model"] = label
-            res["roofline"] = roofline(res, shapes, wbytes, kvb, bw, peaks[dtype])
-            results.append(res)
-            print(markdown([res]).splitlines()[-1], flush=True)
-        del opt, model
+            for name, opt, wbytes, kvb in opts:
+                res = run_scenario(opt, tok, sc, args.steps, args.repeats)
+                res["model"] = name
+                res["roofline"] = roofline(res, shapes, wbytes, kvb, bw, peaks[dtype])
+                results.append(res)
+                print(markdown([res]).splitlines()[-1], flush=True)
+        del opts, model
     table = markdown(results)
     print("\n" + table)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "machine": mach, "loadavg_end": os.getloadavg(),
+        json.dump({"command": " ".join(sys.argv), "base_options": base, "machine": mach,
+                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "loadavg_end": os.getloadavg(),
                    "read_bandwidth_Bps": bw, "gemm_peak_flops": peaks, "results": results, "table": table},
                   f, indent=1)
     print(f"wrote {args.out}")

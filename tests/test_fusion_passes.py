@@ -113,6 +113,31 @@ def test_fuse_add_rms_norm_bit_identical(dtype):
     out, report = _run(model, [*before, FuseAddRMSNorm()])
     assert report.records[-1].matches == 4
     assert torch.equal(out, base)
+    targets = {}
+    for fused in (False, True):
+        gm, info = capture(model)
+        program = Program({"main": gm})
+        PassManager([AttentionToPaged(), *before, *([FuseAddRMSNorm()] if fused else [])]).run(program, PassContext(info))
+        targets[fused] = [n.target for n in program.graphs["main"].graph.nodes]
+    after = targets[True]
+    assert after.count(torch.ops.devin.rms_norm.default) == 1  # layer 0's input norm: no add before it
+    assert after.count(torch.ops.devin.add_rms_norm.default) == 4
+    add = torch.ops.aten.add.Tensor  # the residual adds are gone, not only bypassed (rotary keeps its adds)
+    assert after.count(add) == targets[False].count(add) - 4
+
+
+def test_fuse_add_rms_norm_skipped_without_a_compiler(monkeypatch):
+    """Where the C++ kernel cannot be built the pass is skipped with the reason, and the graph keeps
+    its adds and norms (the op's Python kernel would cost more than the two ops it replaces)."""
+    from devin_compile.ops import rms_norm as rms_norm_op
+
+    monkeypatch.setattr(rms_norm_op, "load_cpu_kernel", lambda: False)
+    model = _model(torch.float32)
+    base, _ = _run(model, [FuseRMSNorm(), Cleanup()])
+    out, report = _run(model, [FuseRMSNorm(), Cleanup(), FuseAddRMSNorm()])
+    rec = report.records[-1]
+    assert rec.status == "skipped" and "compiler" in rec.note
+    assert torch.equal(out, base)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

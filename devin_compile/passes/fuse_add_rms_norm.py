@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, fake_value, is_call, replace_matches
+from ..graph_utils import add_call, eliminate_dead_code, fake_value, is_call, replace_matches
 from ..ops import rms_norm as rms_norm_op  # registers devin::rms_norm and devin::add_rms_norm
 from ..pipeline import Pass, PassContext, PassResult, Program
 
@@ -69,7 +69,16 @@ class FuseAddRMSNorm(Pass):
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        matches = ((n, m) for n in list(gm.graph.nodes) if (m := _match(n, order)) is not None)
-        done = replace_matches(gm, matches, _build)
+        replaced: list[torch.fx.Node] = []
+
+        def matches():
+            for norm in list(gm.graph.nodes):
+                if (m := _match(norm, order)) is not None:
+                    replaced.append(norm)
+                    yield norm, m
+        done = replace_matches(gm, matches(), _build)
+        for norm in replaced:  # dead now, but devin:: ops count as side effects, so DCE keeps them
+            gm.graph.erase_node(norm)
+        eliminate_dead_code(gm)  # then the adds they read
         return PassResult(matches=done.count, note=f"{done.count} residual adds fused into the next norm; "
                                                    f"{done.delta(gm)}")
