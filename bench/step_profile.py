@@ -1,8 +1,8 @@
 """Where a step's time goes, against this machine's limits measured in the same run.
 
-    python bench/profile.py [--dtypes bfloat16 float32] [--int4] [--scenarios b1 b64 mixed]
-                            [--steps 24] [--repeats 5] [--base fuse_add_rms_norm=false ...]
-                            [--out bench/results/profile.json]
+    python bench/step_profile.py [--dtypes bfloat16 float32] [--int4] [--scenarios b1 b64 mixed]
+                                 [--steps 24] [--repeats 5] [--base fuse_add_rms_norm=false ...]
+                                 [--out bench/results/profile.json]
 
 Scenarios (SmolLM2-135M, optimize() defaults, greedy):
   b1     batch-1 decode steps (one request, 32-token prompt);
@@ -39,12 +39,9 @@ import sys
 import time
 from collections import defaultdict
 
-# This file's name shadows the standard library's ``profile`` (which cProfile, and so transformers,
-# import): take bench/ off the import path before importing anything else.
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+import torch
 
-import torch  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
