@@ -8,6 +8,7 @@ Both timers run with the arena reuse pool of :mod:`~devin_compile.runtime.arena_
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -105,3 +106,47 @@ def time_devin_decodes(opts: dict, prompt_ids: list[int], new_tokens: int, repea
     return [DecodeTiming(name, statistics.median(rates[name]), statistics.median(ttfts[name]), tokens[name])
             for name in opts] + [DecodeTiming(name, statistics.median(rates[name]), float("nan"), [])
                                  for name in (others or {})]
+
+
+# -- this machine's limits, measured in the run that quotes a share of them ------------------------
+def cpu_info() -> dict:
+    """The CPU's model name, the ISA flags that matter for these kernels, torch's threads, the cores and the
+    load average (the name alone can hide the ISA; a shared machine's load moves every figure)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    isa = sorted(f for f in info.get("flags", "").split()
+                 if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"))
+    return {"cpu": info.get("model name", "?"), "isa": isa, "threads": torch.get_num_threads(),
+            "cores": os.cpu_count(), "loadavg": os.getloadavg(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls, after one excluded call."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def read_bandwidth(repeats: int = 9) -> float:
+    """Read bandwidth in bytes/s: a 256 MiB float32 sum with torch's threads (the memory roofline of a
+    decode step, which streams its weights once)."""
+    x = torch.ones(64 * 1024 * 1024, dtype=torch.float32)
+    return x.nbytes / median_time(lambda: x.sum(), repeats)
+
+
+def gemm_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of one n×n×n ``F.linear`` in ``dtype`` (the compute roofline of a batched step)."""
+    a = torch.randn(n, n).to(dtype)
+    w = torch.randn(n, n).to(dtype)
+    with torch.inference_mode():
+        return 2 * n ** 3 / median_time(lambda: torch.nn.functional.linear(a, w), repeats)

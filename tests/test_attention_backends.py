@@ -331,7 +331,8 @@ def test_c_decode_kernel_matches_reference(dtype: torch.dtype, head_dim: int, gr
     """The C kernel (the cpu_sdpa decode path here) against the reference: lengths across
     several split-K chunks (CHUNK forced to 32, so 300 keys merge 10 partial softmaxes), block
     sizes that do not divide them, head sizes with and without the AVX2 code paths (16 and
-    40 take the scalar tails), every dtype, pure-decode and mixed steps. Pure-decode steps take
+    40 take the scalar tails; with group 1 the step falls under the kernel's serial-work threshold and
+    runs on the calling thread, the others on every thread), every dtype, pure-decode and mixed steps. Pure-decode steps take
     the C++ layer op (write + attention in one call) where it builds, and the ctypes calls when
     it is forced off."""
     from devin_compile.backends.attention import cpu_paged_decode

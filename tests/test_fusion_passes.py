@@ -14,8 +14,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from devin_compile.api import make_probe
 from devin_compile.capture import capture
-from devin_compile.passes import (AttentionToPaged, Cleanup, FuseAttentionInputs, FuseProjections, FuseRMSNorm,
-                                  FuseRotary, FuseSiluMul, PrepackOneDNNLinears)
+from devin_compile.passes import (AttentionToPaged, Cleanup, FuseAddRMSNorm, FuseAttentionInputs, FuseProjections,
+                                  FuseRMSNorm, FuseRotary, FuseSiluMul, PrepackOneDNNLinears)
 from devin_compile.pipeline import PassContext, PassManager, Program
 
 
@@ -97,6 +97,69 @@ def test_fuse_attention_inputs_bit_identical_fp32(fused):
         assert all(a.args[0].target is torch.ops.devin.rotary_heads.default for a in attn.args[:3])
         (user,) = attn.users
         assert user.target is torch.ops.aten.reshape.default  # was unsqueeze, transpose, reshape, transpose, reshape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuse_add_rms_norm_bit_identical(dtype):
+    """Each residual add feeding a norm (layer 0's post-attention norm, both of layer 1's, the final
+    norm) becomes one devin::add_rms_norm, and the logits do not change by a bit."""
+    from devin_compile.backends.fused import cpu_rms_norm_op
+
+    if not cpu_rms_norm_op.load():
+        pytest.skip("no C++ compiler here")
+    model = _model(dtype)
+    before = [FuseRMSNorm(), Cleanup()]
+    base, _ = _run(model, before)
+    out, report = _run(model, [*before, FuseAddRMSNorm()])
+    assert report.records[-1].matches == 4
+    assert torch.equal(out, base)
+    targets = {}
+    for fused in (False, True):
+        gm, info = capture(model)
+        program = Program({"main": gm})
+        PassManager([AttentionToPaged(), *before, *([FuseAddRMSNorm()] if fused else [])]).run(program, PassContext(info))
+        targets[fused] = [n.target for n in program.graphs["main"].graph.nodes]
+    after = targets[True]
+    assert after.count(torch.ops.devin.rms_norm.default) == 1  # layer 0's input norm: no add before it
+    assert after.count(torch.ops.devin.add_rms_norm.default) == 4
+    add = torch.ops.aten.add.Tensor  # the residual adds are gone, not only bypassed (rotary keeps its adds)
+    assert after.count(add) == targets[False].count(add) - 4
+
+
+def test_fuse_add_rms_norm_skipped_without_a_compiler(monkeypatch):
+    """Where the C++ kernel cannot be built the pass is skipped with the reason, and the graph keeps
+    its adds and norms (the op's Python kernel would cost more than the two ops it replaces)."""
+    from devin_compile.ops import rms_norm as rms_norm_op
+
+    monkeypatch.setattr(rms_norm_op, "load_cpu_kernel", lambda: False)
+    model = _model(torch.float32)
+    base, _ = _run(model, [FuseRMSNorm(), Cleanup()])
+    out, report = _run(model, [FuseRMSNorm(), Cleanup(), FuseAddRMSNorm()])
+    rec = report.records[-1]
+    assert rec.status == "skipped" and "compiler" in rec.note
+    assert torch.equal(out, base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_add_rms_norm_cpu_kernel_equals_add_then_norm(dtype):
+    """devin::add_rms_norm's C++ kernel gives exactly the add and devin::rms_norm's kernel (the sum
+    rounded once, like aten's add); calls it does not serve go to the Python kernel, same values."""
+    from devin_compile.backends.fused import cpu_rms_norm_op
+
+    if not cpu_rms_norm_op.load():
+        pytest.skip("no C++ compiler here")
+    g = torch.Generator().manual_seed(1)
+    for shape in [(1, 576), (3, 7, 64), (130, 96)]:
+        x, r = ((torch.randn(*shape, generator=g) * 3).to(dtype) for _ in range(2))
+        w = torch.randn(shape[-1], generator=g).to(dtype)
+        y, s = torch.ops.devin.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(s, x + r)
+        assert torch.equal(y, torch.ops.devin.rms_norm(x + r, w, 1e-5))
+    x = torch.randn(6, 32, generator=g).to(dtype)
+    for xi, ri in [(x.t().contiguous().t(), x), (x, torch.randn(32, generator=g).to(dtype))]:  # strided; broadcast
+        y, s = torch.ops.devin.add_rms_norm(xi, ri, torch.ones(32, dtype=dtype), 1e-6)
+        assert torch.equal(s, xi + ri)
+        assert torch.equal(y, torch.ops.aten.rms_norm.default(xi + ri, [32], torch.ones(32, dtype=dtype), 1e-6))
 
 
 def test_fuse_silu_mul_bit_identical_fp32():

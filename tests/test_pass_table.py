@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import devin_compile as dc
 from devin_compile.capture import ModelInfo
 from devin_compile.config import OptimizeConfig, PassOptions
-from devin_compile.passes import (AssignPrecision, AttentionToPaged, Cleanup, CompileDecode, FuseAttentionInputs,
+from devin_compile.passes import (AssignPrecision, AttentionToPaged, Cleanup, CompileDecode, FuseAddRMSNorm, FuseAttentionInputs,
                                   FuseMoEExperts, FuseProjections, FuseRMSNorm, FuseRotary, FuseSiluMul, InsertKVPrune,
                                   OffloadEmbeddings, PackGemmLinears, PrepackOneDNNExperts, PrepackOneDNNLinears, SplitPhases,
                                   UpcastLinear, WrapCudaGraphs, default_passes)
@@ -55,6 +55,8 @@ def _if_chain(config, offload_roles=frozenset(), quant=None) -> list:
     passes.append(Cleanup())
     if config.passes.fuse_rotary and config.passes.fuse_attention_inputs:
         passes.append(FuseAttentionInputs())
+    if config.passes.fuse_rms_norm and config.passes.fuse_add_rms_norm:  # the row added after the if-chain
+        passes.append(FuseAddRMSNorm())
     if config.compile_decode:
         passes.append(CompileDecode(config.decode_buckets, config.scheduler.max_num_seqs,
                                     getattr(config, "compile_decode_options", None)))
@@ -79,6 +81,7 @@ CASES = [
     ({"speculative": "ngram", "max_num_seqs": 4}, frozenset(), None),  # verify rows reach max_verify_tokens
     ({"fuse_projections": False}, frozenset(), None),  # fuse_silu_mul only with fuse_projections
     ({"fuse_silu_mul": False}, frozenset(), None),
+    ({"fuse_add_rms_norm": False}, frozenset(), None),
     ({"fuse_rotary": False}, frozenset(), None),  # fuse_attention_inputs only with fuse_rotary
     ({"fuse_attention_inputs": False, "fuse_rms_norm": False}, frozenset(), None),
     ({"split_phases": False, "prepack_linear": False, "upcast_linear": False}, frozenset(), None),

@@ -54,6 +54,7 @@ def test_report_counts_every_layer(smollm2):
     rows = {r.name: r for r in opt.pass_report.records}
     assert rows["attention_to_paged"].matches == 30
     assert rows["fuse_projections"].matches == 60  # q/k/v and gate/up in each of 30 layers
+    assert rows["fuse_add_rms_norm"].matches == 2 * 60  # every norm but layer 0's input norm, prefill + decode graphs
 
 
 def test_speculative_greedy_matches_plain(smollm2):

@@ -20,6 +20,8 @@ class PassOptions:
     fuse_attention_inputs: bool = True
     fuse_projections: bool = True
     fuse_silu_mul: bool = True
+    # CPU: a residual add and the RMSNorm after it → one devin::add_rms_norm (needs fuse_rms_norm).
+    fuse_add_rms_norm: bool = True
     # CPU: linears (prepack_onednn_linears) and MoE expert GEMMs (prepack_onednn_experts) on oneDNN
     # over weights prepacked once.
     prepack_linear: bool = True

@@ -13,6 +13,7 @@ from .assign_precision import AssignPrecision
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .compile_decode import CompileDecode
+from .fuse_add_rms_norm import FuseAddRMSNorm
 from .fuse_attention_inputs import FuseAttentionInputs
 from .fuse_moe_experts import FuseMoEExperts
 from .fuse_projections import FuseProjections
@@ -39,7 +40,7 @@ def default_passes(config: OptimizeConfig, offload_roles: Set[str] = frozenset()
     return build_passes(PipelineInputs(config, frozenset(offload_roles), quant, tensor_parallel))
 
 
-__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAttentionInputs", "FuseMoEExperts",
+__all__ = ["AssignPrecision", "AttentionToPaged", "Cleanup", "CompileDecode", "FuseAddRMSNorm", "FuseAttentionInputs", "FuseMoEExperts",
            "FuseProjections", "FuseRMSNorm", "FuseRotary", "FuseSiluMul", "InsertKVPrune", "OffloadEmbeddings",
            "PackGemmLinears", "PrepackOneDNNExperts", "PrepackOneDNNLinears", "ShardTensorParallel", "SplitPhases", "UpcastLinear",
            "WrapCudaGraphs",           "PASS_TABLE", "Flags", "PassSpec", "PipelineInputs", "When", "build_passes", "default_passes"]

@@ -77,13 +77,15 @@ class CompileDecode(Pass):
 
 def _for_inductor(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm`` (same parameters) with ``devin::rms_norm`` back as ``aten.rms_norm`` and
-    ``devin::rotary_heads`` / ``devin::silu_mul`` as their Python kernels (plain torch code that
+    ``devin::rotary_heads`` / ``devin::silu_mul`` / ``devin::add_rms_norm`` as their Python kernels (plain torch code that
     Dynamo inlines), which Inductor fuses with their neighbours; the eager graph keeps the ops'
     C++ kernels."""
+    from ..ops.rms_norm import add_rms_norm
     from ..ops.rotary_heads import rotary_heads
     from ..ops.silu_mul import silu_mul
 
-    inline = {torch.ops.devin.rotary_heads.default: rotary_heads, torch.ops.devin.silu_mul.default: silu_mul}
+    inline = {torch.ops.devin.rotary_heads.default: rotary_heads, torch.ops.devin.silu_mul.default: silu_mul,
+              torch.ops.devin.add_rms_norm.default: add_rms_norm}
     graph = copy_graph(gm.graph)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.devin.rms_norm.default:

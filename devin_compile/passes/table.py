@@ -26,6 +26,7 @@ from .assign_precision import AssignPrecision
 from .attention_to_paged import AttentionToPaged
 from .cleanup import Cleanup
 from .compile_decode import CompileDecode
+from .fuse_add_rms_norm import FuseAddRMSNorm
 from .fuse_attention_inputs import FuseAttentionInputs
 from .fuse_moe_experts import FuseMoEExperts
 from .fuse_projections import FuseProjections
@@ -157,6 +158,8 @@ PASS_TABLE: tuple[PassSpec, ...] = (
     PassSpec(UpcastLinear, "linear_kernels", Flags(lambda o: o.upcast_linear), after=("assign_precision",)),
     PassSpec(Cleanup, "cleanup"),
     PassSpec(FuseAttentionInputs, "late_fuse", Flags(lambda o: o.fuse_rotary and o.fuse_attention_inputs)),
+    PassSpec(FuseAddRMSNorm, "late_fuse", Flags(lambda o: o.fuse_rms_norm and o.fuse_add_rms_norm),
+             after=("assign_precision", "cleanup")),
     PassSpec(CompileDecode, "compile", When(lambda i: i.config.compile_decode, "compile_decode=True"),
              after=("cleanup", "fuse_attention_inputs"),
              build=lambda i: CompileDecode(i.config.decode_buckets, i.config.scheduler.max_num_seqs,

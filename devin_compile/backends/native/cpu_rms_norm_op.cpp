@@ -7,6 +7,10 @@
 // order of operations (the op's Python kernel), up to the rounding of the mean. It serves contiguous float32 /
 // bf16 / fp16 x with a contiguous weight of the same dtype and D elements, and redispatches
 // every other call to the Python kernel (CompositeExplicitAutograd).
+//
+// devin::add_rms_norm (a residual add and the norm after it, fuse_add_rms_norm): s = x + residual rounded
+// to x's dtype (aten's add: the float32 sum, one rounding), then y = rms_norm(s) as above; returns (y, s),
+// bit-identical to add then rms_norm, in one call and one pass over the row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -16,37 +20,57 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <tuple>
 
 namespace {
 
 using Signature = at::Tensor(const at::Tensor &, const at::Tensor &, double);
+using AddSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                                                        double);
+
+template <typename T>
+inline void rms_norm_row(const T *xr, const T *w, T *yr, int64_t d, float eps) {
+    double sum = 0.;  // a double sum: as close to exact as aten's float32 tree sum, in any order
+    for (int64_t i = 0; i < d; i++) {
+        const double v = static_cast<float>(xr[i]);
+        sum += v * v;
+    }
+    const float inv = 1.f / std::sqrt(static_cast<float>(sum / static_cast<double>(d)) + eps);
+    for (int64_t i = 0; i < d; i++) {
+        yr[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
+    }
+}
 
 template <typename T>
 void rms_norm_rows(const T *x, const T *w, T *y, int64_t rows, int64_t d, float eps) {
     // rows are independent; a row of SmolLM2 (576 values) is ~1 us, so split only long inputs
     at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; r++) rms_norm_row(x + r * d, w, y + r * d, d, eps);
+    });
+}
+
+template <typename T>
+void add_rms_norm_rows(const T *x, const T *res, const T *w, T *y, T *s, int64_t rows, int64_t d, float eps) {
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; r++) {
-            const T *xr = x + r * d;
-            T *yr = y + r * d;
-            double sum = 0.;  // a double sum: as close to exact as aten's float32 tree sum, in any order
-            for (int64_t i = 0; i < d; i++) {
-                const double v = static_cast<float>(xr[i]);
-                sum += v * v;
-            }
-            const float inv = 1.f / std::sqrt(static_cast<float>(sum / static_cast<double>(d)) + eps);
-            for (int64_t i = 0; i < d; i++) {
-                yr[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
-            }
+            const T *xr = x + r * d, *rr = res + r * d;
+            T *sr = s + r * d;
+            for (int64_t i = 0; i < d; i++) sr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+            rms_norm_row(sr, w, y + r * d, d, eps);
         }
     });
 }
 
+bool serves(const at::Tensor &x, const at::Tensor &weight) {
+    const auto t = x.scalar_type();
+    return (t == c10::ScalarType::Float || t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half) &&
+           x.dim() >= 1 && x.is_contiguous() && weight.scalar_type() == t && weight.dim() == 1 &&
+           weight.is_contiguous() && weight.size(0) == x.size(-1) && x.size(-1) > 0;
+}
+
 at::Tensor rms_norm_cpu(const at::Tensor &x, const at::Tensor &weight, double eps) {
     const auto t = x.scalar_type();
-    const bool served = (t == c10::ScalarType::Float || t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half) &&
-                        x.dim() >= 1 && x.is_contiguous() && weight.scalar_type() == t && weight.dim() == 1 &&
-                        weight.is_contiguous() && weight.size(0) == x.size(-1) && x.size(-1) > 0;
-    if (!served) {
+    if (!serves(x, weight)) {
         static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("devin::rms_norm", "").typed<Signature>();
         return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), x, weight, eps);
     }
@@ -64,6 +88,35 @@ at::Tensor rms_norm_cpu(const at::Tensor &x, const at::Tensor &weight, double ep
     return y;
 }
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor &x, const at::Tensor &residual,
+                                                    const at::Tensor &weight, double eps) {
+    const auto t = x.scalar_type();
+    if (!serves(x, weight) || !residual.is_contiguous() || residual.scalar_type() != t ||
+        residual.sizes() != x.sizes()) {
+        static auto op =
+            c10::Dispatcher::singleton().findSchemaOrThrow("devin::add_rms_norm", "").typed<AddSignature>();
+        return op.redispatch(c10::DispatchKeySet(c10::DispatchKey::CompositeExplicitAutograd), x, residual, weight,
+                             eps);
+    }
+    at::Tensor y = at::empty_like(x), s = at::empty_like(x);
+    const int64_t d = x.size(-1), rows = x.numel() / d;
+    if (t == c10::ScalarType::Float) {
+        add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                          y.data_ptr<float>(), s.data_ptr<float>(), rows, d, (float)eps);
+    } else if (t == c10::ScalarType::BFloat16) {
+        add_rms_norm_rows(x.data_ptr<c10::BFloat16>(), residual.data_ptr<c10::BFloat16>(),
+                          weight.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), s.data_ptr<c10::BFloat16>(),
+                          rows, d, (float)eps);
+    } else {
+        add_rms_norm_rows(x.data_ptr<c10::Half>(), residual.data_ptr<c10::Half>(), weight.data_ptr<c10::Half>(),
+                          y.data_ptr<c10::Half>(), s.data_ptr<c10::Half>(), rows, d, (float)eps);
+    }
+    return {y, s};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(devin, CPU, m) { m.impl("rms_norm", TORCH_FN(rms_norm_cpu)); }
+TORCH_LIBRARY_IMPL(devin, CPU, m) {
+    m.impl("rms_norm", TORCH_FN(rms_norm_cpu));
+    m.impl("add_rms_norm", TORCH_FN(add_rms_norm_cpu));
+}

@@ -1,0 +1,158 @@
+"""Batch-1 decode against the memory roofline and the peers, all in one process, repeats interleaved.
+
+    python bench/decode_peers.py [--new-tokens 128] [--repeats 5] [--base OPTION=VALUE ...] [--no-int4]
+                                 [--no-llama-cpp] [--out bench/results/decode_peers.json]
+
+Engines (SmolLM2-135M, greedy, EOS ignored, 32-token prompt, same torch threads):
+  devin bf16          optimize() defaults on the bf16 model;
+  devin INT4 g32      the bf16 model with INT4 weights, RTN at group 32 (the blocks of the shipped Q4_1 GGUF,
+                      whose dequantized weights the model is), output head in bf16 (the default);
+  ... (base)          the same built with ``--base`` options (a before/after of a change in one run);
+  HF eager bf16/fp32  ``generate`` on the model in both dtypes (its best one is the peer);
+  llama.cpp Q4_1      llama-cpp-python on the same GGUF file, ``n_threads`` = torch's threads (the
+                      ``bench`` extra; skipped with a note when it is not installed).
+Each engine's decode tokens/s is the median over ``--repeats`` rounds (A, B, C, ... per round) of
+(new tokens - 1) / (time after the first token). Bytes read per token: the tensors the decode graph
+holds + the KV cache read at the mean context (devin); the GGUF's tensor bytes (llama.cpp); the
+model's parameters (HF). Read bandwidth is measured in the same run (256 MiB reduction).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import devin_compile  # noqa: E402
+from devin_compile.benchmarking import cpu_info, read_bandwidth, time_devin_decodes  # noqa: E402
+from devin_compile.models import load_model, smollm2_gguf_path  # noqa: E402
+from devin_compile.weights import held_bytes, held_tensors  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = os.path.join(HERE, "..", "..", "shared", "data", "tinyshakespeare.txt")
+INT4 = {"method": "rtn", "group_size": 32, "progress": False}
+
+
+def hf_round(model, ids: list[int], new_tokens: int):
+    """One HF ``generate`` round → decode tokens/s (the time after the first token), and its tokens."""
+    x = torch.tensor([ids])
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=model.config.pad_token_id or 0)
+    out = {}
+
+    def run() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            y = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            total = time.perf_counter() - t0
+        out["tokens"] = y[0, len(ids):].tolist()
+        return (new_tokens - 1) / max(total - ttft, 1e-9)
+    run()  # warm-up
+    return run, out
+
+
+def llama_cpp_round(ids: list[int], new_tokens: int):
+    """llama.cpp on the shipped GGUF → (round function, its tokens, tensor bytes), or a note why not."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, None, "llama-cpp-python is not installed (pip install -e '.[bench]')", 0
+    path = str(smollm2_gguf_path())
+    llm = llama_cpp.Llama(model_path=path, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
+                          n_ctx=512, verbose=False)
+    out = {}
+
+    def run() -> float:
+        llm.reset()
+        toks, t0 = [], None
+        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            toks.append(tok)
+            if len(toks) == 1:
+                t0 = time.perf_counter()
+            if len(toks) == new_tokens:
+                break
+        out["tokens"] = toks
+        return (new_tokens - 1) / max(time.perf_counter() - t0, 1e-9)
+    run()  # warm-up
+    version = getattr(llama_cpp, "__version__", "?")
+    return run, out, f"llama-cpp-python {version}", _gguf_tensor_bytes(path)
+
+
+def _gguf_tensor_bytes(path: str) -> int:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--base", nargs="*", default=[], metavar="OPTION=VALUE")
+    ap.add_argument("--no-int4", action="store_true")
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "decode_peers.json"))
+    args = ap.parse_args()
+    base = {k: json.loads(v.lower()) if v.lower() in ("true", "false") or v.isdigit() else v
+            for k, v in (o.split("=", 1) for o in args.base)}
+    mach = cpu_info()
+    bw = read_bandwidth()
+    model, tok = load_model(None, torch.bfloat16)
+    ids = tok(open(TEXT).read()[:400], add_special_tokens=False)["input_ids"][:32]
+    variants = [("devin bf16", {})] + ([] if args.no_int4 else [("devin INT4 g32", {"quantization": INT4})])
+    opts, nbytes = {}, {}
+    for name, kw in variants:
+        for label, extra in ([(f"{name} (base)", base)] if base else []) + [(name, {})]:
+            opt = devin_compile.optimize(model, tokenizer=tok, **kw, **extra)
+            opts[label] = opt
+            graph = opt.engine.runner.program.graphs.get("decode") or opt.engine.runner.program.graphs["main"]
+            kv = opt.engine.runner.kv_cache.spec.bytes_per_token * (len(ids) + args.new_tokens / 2)
+            nbytes[label] = held_bytes(held_tensors(graph)) + kv
+    hf32, _ = load_model(None, torch.float32)
+    others, tokens, notes = {}, {}, {}
+    for label, m in (("HF eager bf16", model), ("HF eager fp32", hf32)):
+        others[label], tokens[label] = hf_round(m, ids, args.new_tokens)
+        nbytes[label] = sum(p.numel() * p.element_size() for p in m.parameters())
+    if not args.no_llama_cpp:
+        fn, out, note, gb = llama_cpp_round(ids, args.new_tokens)
+        notes["llama.cpp"] = note
+        if fn is not None:
+            others["llama.cpp Q4_1"], tokens["llama.cpp Q4_1"], nbytes["llama.cpp Q4_1"] = fn, out, gb
+    print(f"{mach['cpu']} ({', '.join(mach['isa'])}), {mach['threads']} threads, load {mach['loadavg']}, "
+          f"OMP_WAIT_POLICY={mach['omp_wait_policy']}; read bandwidth {bw / 1e9:.1f} GB/s; {notes}", flush=True)
+    timings = time_devin_decodes(opts, ids, args.new_tokens, args.repeats, others=others)
+    rate = {t.name: t.decode_tok_s for t in timings}
+    hf_best = max(rate["HF eager bf16"], rate["HF eager fp32"])
+    rows = []
+    for t in timings:
+        toks = t.tokens or tokens.get(t.name, {}).get("tokens", [])
+        r = {"engine": t.name, "decode_tok_s": t.decode_tok_s, "bytes_per_token": nbytes[t.name],
+             "read_roofline_share": nbytes[t.name] * t.decode_tok_s / bw, "vs_hf_best": t.decode_tok_s / hf_best,
+             "same_greedy_tokens_as_devin_bf16": toks == timings[0].tokens}
+        if "llama.cpp Q4_1" in rate:
+            r["vs_llama_cpp"] = t.decode_tok_s / rate["llama.cpp Q4_1"]
+        rows.append(r)
+    print("\n| engine | decode tok/s | MB read/token | share of read roofline | vs HF best | vs llama.cpp | "
+          "greedy = devin bf16 |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        vs_ll = f"{r['vs_llama_cpp']:.2f}x" if "vs_llama_cpp" in r else "-"
+        print(f"| {r['engine']} | {r['decode_tok_s']:.1f} | {r['bytes_per_token'] / 1e6:.1f} | "
+              f"{r['read_roofline_share']:.0%} | {r['vs_hf_best']:.2f}x | {vs_ll} | "
+              f"{r['same_greedy_tokens_as_devin_bf16']} |")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "machine": mach, "loadavg_end": os.getloadavg(),
+                   "read_bandwidth_Bps": bw, "base_options": base, "notes": notes, "rows": rows,
+                   "median_of": args.repeats, "new_tokens": args.new_tokens, "prompt_tokens": len(ids)}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
