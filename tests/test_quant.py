@@ -713,7 +713,10 @@ def test_calibration_round_trips_with_and_without_gradients(tiny, tmp_path):
     assert set(again.fisher) == set(stats.fisher)
     assert all(torch.equal(again.fisher[n], stats.fisher[n]) for n in stats.fisher)
     assert set(again.grad_hessian) == set(stats.hessian)
-    assert all(torch.equal(again.grad_hessian[k], stats.grad_hessian[k]) for k in stats.hessian)
+    assert all(torch.equal(again.hessian[k], stats.hessian[k]) for k in stats.hessian)
+    for k in stats.hessian:  # int8 in the file: re-encoding what was decoded moves it by float rounding only
+        torch.testing.assert_close(again.grad_hessian[k], stats.grad_hessian[k], rtol=1e-5,
+                                   atol=1e-6 * float(stats.grad_hessian[k].abs().max()))
     # a calibration from before output gradients (no "fisher" key) still loads
     meta = json.loads((tmp_path / "c" / "calib.json").read_text())
     del meta["fisher"]

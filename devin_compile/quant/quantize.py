@@ -36,6 +36,7 @@ from .config import QuantConfig
 from .grid_refit import refit_and_reround
 from .progress import Progress, ProgressArg
 from .result import QLinear, QuantResult
+from .threads import map_ordered
 
 
 def _fold_source(name: str, linears: dict[str, torch.nn.Linear]) -> str | None:
@@ -80,11 +81,11 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
     if cfg.method != "rtn" and cfg.loss_weight > 0 and not stats.grad_hessian:
         notes.append("objective: the activation Hessian alone (the calibration has no output-gradient statistics; "
                      "re-run calibration with them to use loss_weight)")
-    linears: dict[str, QLinear] = {}
     bar = Progress(progress, len(weights), f"{cfg.method.upper()} INT4 g{cfg.group_size}")
-    for i, (n, w) in enumerate(weights.items()):
-        linears[n] = _quantize_linear(n, w, stats, cfg, gsize[n], folds.in_scale.get(n), folds.row_scale.get(n))
-        bar.update(i + 1, n)
+    done = map_ordered(lambda n: _quantize_linear(n, weights[n], stats, cfg, gsize[n], folds.in_scale.get(n),
+                                                  folds.row_scale.get(n)), weights,
+                       lambda i, n, _ql: bar.update(i + 1, n))  # one linear per worker thread (.threads)
+    linears: dict[str, QLinear] = dict(zip(weights, done))
     changed = sorted({why for _g, why in gsize.values() if why})
     notes.extend(f"group size: {why}" for why in changed)
     return QuantResult(cfg.method, cfg.bits, cfg.group_size, linears, folds.overrides, model_fingerprint(model),
@@ -122,19 +123,26 @@ def _awq_scales(model: torch.nn.Module, stats: CalibrationStats, cfg: QuantConfi
     folds = _AwqFolds()
     params = dict(model.named_parameters())
     search = Progress(progress, len(groups), "AWQ scale search")
-    for gi, (key, names) in enumerate(groups.items()):
-        search.update(gi, key)
+
+    def scale_of(item: tuple[str, list[str]]) -> torch.Tensor | None:
+        key, names = item
+        if _fold_target(key, names, stats, lins) == (None, None):
+            return None
         lw = cfg.for_linear(names[0]).loss_weight  # a shared input: its first linear's options
-        h, a = objective_hessian(stats, key, lw), stats.absmean[key]
-        norm = stats.producer.get(key)
-        src = None if norm is not None else _fold_source(names[0], lins) if len(names) == 1 else None
-        if norm is None and src is None:
-            folds.unfolded.append(names[0])
-            continue
         # rows weighted by their output-gradient squares (the loss estimate) when calibration has them
         fis = [stats.fisher.get(n) for n in names] if lw > 0 else []
         rw = [f.float() for f in fis] if fis and all(f is not None for f in fis) else None
-        s, _alpha, _e, _e0 = awq.search_scale([weights[n] for n in names], h, a, gsize[names[0]][0], rw)
+        return awq.search_scale([weights[n] for n in names], objective_hessian(stats, key, lw), stats.absmean[key],
+                                gsize[names[0]][0], rw)[0]
+
+    scales = dict(zip(groups, map_ordered(scale_of, list(groups.items()),
+                                          lambda i, item, _s: search.update(i + 1, item[0]))))
+    for key, names in groups.items():
+        norm, src = _fold_target(key, names, stats, lins)
+        if norm is None and src is None:
+            folds.unfolded.append(names[0])
+            continue
+        s = scales[key]
         for n in names:
             folds.in_scale[n] = s
         if norm is not None:
@@ -142,8 +150,15 @@ def _awq_scales(model: torch.nn.Module, stats: CalibrationStats, cfg: QuantConfi
             folds.overrides[pname] = (params[pname].detach().float().cpu() / s).to(params[pname].dtype)
         else:
             folds.row_scale[src] = 1.0 / s
-    search.update(len(groups))
     return folds
+
+
+def _fold_target(key: str, names: list[str], stats: CalibrationStats,
+                 lins: dict[str, torch.nn.Linear]) -> tuple[str | None, str | None]:
+    """(the norm producing input ``key``, or else the one linear whose output rows it is), or (None, None)."""
+    norm = stats.producer.get(key)
+    src = None if norm is not None else _fold_source(names[0], lins) if len(names) == 1 else None
+    return norm, src
 
 
 def _quantize_linear(name: str, w: torch.Tensor, stats: CalibrationStats, cfg: QuantConfig, group: tuple,
