@@ -4,7 +4,7 @@ reference, and the refusals.
 A sink is a learned logit per head that joins each softmax's denominator and attends to nothing. The
 family itself (teacher-forced logits, a padded batch, greedy parity with HF eager) runs in
 test_families.py through ``conftest.FAMILIES["gpt_oss"]``; under preemption and chunked prefill in
-test_issue42_battery.py.
+test_recurrent_battery.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ The query at position p sees only the keys of its own fixed-size chunk, ``[floor
 family itself (teacher-forced logits, a padded batch, greedy parity with HF eager, SDPA and eager
 attention) runs in test_families.py through ``conftest.FAMILIES["llama4_text"]`` (chunk 8 on its
 rotary layer beside a NoPE global layer whose attention temperature tuning is made to matter with
-``floor_scale=4``); under preemption and chunked prefill in test_issue42_battery.py.
+``floor_scale=4``); under preemption and chunked prefill in test_recurrent_battery.py.
 """
 from __future__ import annotations
 
