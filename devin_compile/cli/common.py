@@ -32,6 +32,17 @@ def int_at_least(lo: int):
     return parse
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (e.g. seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def add_model_arguments(p: argparse.ArgumentParser, uses_attention: bool = True) -> None:
     """--model, --dtype, --attention-backend (and --no-compile-cache): which model, in which dtype, on which
     attention backend (``uses_attention=False``: a stage that runs only the HF model, which optimizes nothing)."""

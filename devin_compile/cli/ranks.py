@@ -24,19 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the model over N processes (ranks) on this machine, spawned by this command, or "
                         "the ranks torchrun started (torchrun --nproc-per-node N -m devin_compile.cli ...); rank 0 "
                         "does the work, the others follow its steps (default 1)")
-    p.add_argument("--tp-timeout", type=_seconds, default=120.0, metavar="S",
+    p.add_argument("--tp-timeout", type=common.positive_float, default=120.0, metavar="S",
                    help="with --tensor-parallel: a rank that does not answer a collective within S seconds is "
                         "lost, and every rank stops with an error (default 120)")
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
 
 
 def launch(args, stop_s: float = 40.0) -> int | None:

@@ -21,16 +21,6 @@ DESCRIPTION = ("Load SmolLM2-135M-Instruct (or --model PATH), optimize it, and s
                "up to --shutdown-timeout seconds, aborts the rest and exits 0.")
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
-
-
 def api_key(text: str) -> str:
     """An argparse type for --api-key; its error never repeats the key."""
     from ..serve.auth import check_key
@@ -87,7 +77,7 @@ def add_arguments(p) -> None:
                    help="the model id clients send (default: smollm2, or the --model folder/file name)")
     p.add_argument("--max-queue", type=common.int_at_least(1), metavar="N",
                    help="requests waiting for their first token before new ones get 429 (default: no limit)")
-    p.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="S",
+    p.add_argument("--shutdown-timeout", type=common.positive_float, default=30.0, metavar="S",
                    help="seconds in-flight requests get to finish after SIGTERM (default 30)")
     add_front_door_arguments(p)
     p.add_argument("--no-metrics", action="store_true", help="turn off the Prometheus metrics (/metrics answers 404)")
