@@ -41,10 +41,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     if rows.decode:
         o, new = _step(state[rows.slots].float(), *(rows.gather(t) for t in (q, k, v, g, beta)))
-        if rows.rows is None:
-            out = o
-        else:
-            out[rows.rows] = o
+        out = rows.place(out, o)
         rows.put(state, new)
     for span, slot, S in rows.chunks(state):
         S = S[None]

@@ -15,10 +15,7 @@ def linear_scan_step(a: torch.Tensor, x: torch.Tensor, state: torch.Tensor, rows
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if rows.decode:
         h = rows.gather(a) * state[rows.slots].float() + rows.gather(x)
-        if rows.rows is None:
-            out = h
-        else:
-            out[rows.rows] = h
+        out = rows.place(out, h)
         rows.put(state, h)
     for span, slot, h in rows.chunks(state):
         for t in range(span.start, span.stop):

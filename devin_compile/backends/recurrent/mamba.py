@@ -30,10 +30,7 @@ def selective_scan_step(x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, 
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if rows.decode:
         y, new = _step(state[rows.slots].float(), rows.gather(x), rows.gather(dt), A, rows.gather(B), rows.gather(C))
-        if rows.rows is None:
-            out = y
-        else:
-            out[rows.rows] = y
+        out = rows.place(out, y)
         rows.put(state, new)
     for span, slot, S in rows.chunks(state):
         S = S[None]

@@ -92,10 +92,7 @@ def mamba2_forward(xbc: torch.Tensor, dt: torch.Tensor, params: dict, sh: Mamba2
     if rows.decode:
         y, new = _scan_decode(rows.gather(x), rows.gather(dt), rows.gather(B), rows.gather(C), params,
                               ssm_state[rows.slots].float())
-        if rows.rows is None:
-            out = y
-        else:
-            out[rows.rows] = y
+        out = rows.place(out, y)
         rows.put(ssm_state, new)
     A = -torch.exp(params["A_log"].float())
     for span, slot, start in rows.chunks(ssm_state):

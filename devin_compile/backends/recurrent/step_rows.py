@@ -42,6 +42,14 @@ class StepRows:
         for a, e, s, fresh in self.prefill:
             yield slice(a, e), s, torch.zeros_like(state[0], dtype=torch.float32) if fresh else state[s].float()
 
+    def place(self, out: torch.Tensor, decode_out: torch.Tensor) -> torch.Tensor:
+        """The step's output with the decode rows' values in place (``decode_out`` itself when the step is
+        exactly its decode rows)."""
+        if self.rows is None:
+            return decode_out
+        out[self.rows] = decode_out
+        return out
+
     def put(self, state: torch.Tensor, decode_states: torch.Tensor | None) -> None:
         """Write the decode rows' new states back."""
         if self.decode:
