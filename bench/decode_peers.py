@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
-from devin_compile.benchmarking import cpu_info, read_bandwidth, time_devin_decodes  # noqa: E402
+from devin_compile.benchmarking import cpu_info, hf_decode_round, parse_options, read_bandwidth, time_devin_decodes  # noqa: E402,E501
 from devin_compile.models import load_model, smollm2_gguf_path  # noqa: E402
 from devin_compile.weights import held_bytes, held_tensors  # noqa: E402
 
@@ -45,15 +45,9 @@ def hf_round(model, ids: list[int], new_tokens: int):
     out = {}
 
     def run() -> float:
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            y = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-            total = time.perf_counter() - t0
+        rate, _ttft, y = hf_decode_round(model, x, new_tokens, **kw)
         out["tokens"] = y[0, len(ids):].tolist()
-        return (new_tokens - 1) / max(total - ttft, 1e-9)
+        return rate
     run()  # warm-up
     return run, out
 
@@ -100,8 +94,7 @@ def main() -> None:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "decode_peers.json"))
     args = ap.parse_args()
-    base = {k: json.loads(v.lower()) if v.lower() in ("true", "false") or v.isdigit() else v
-            for k, v in (o.split("=", 1) for o in args.base)}
+    base = parse_options(args.base)
     mach = cpu_info()
     bw = read_bandwidth()
     model, tok = load_model(None, torch.bfloat16)

@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
-from devin_compile.benchmarking import cpu_info, gemm_peak, read_bandwidth  # noqa: E402
+from devin_compile.benchmarking import cpu_info, gemm_peak, parse_options, read_bandwidth  # noqa: E402
 from devin_compile.config import parse_dtype  # noqa: E402
 from devin_compile.models import load_model  # noqa: E402
 from devin_compile.runtime.sampling import SamplingParams  # noqa: E402
@@ -264,8 +264,7 @@ def main() -> None:
                     help="also profile with these optimize() options (a before/after in one run)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "profile.json"))
     args = ap.parse_args()
-    base = {k: json.loads(v.lower()) if v.lower() in ("true", "false") or v.isdigit() else v
-            for k, v in (o.split("=", 1) for o in args.base)}
+    base = parse_options(args.base)
     mach = cpu_info()
     bw = read_bandwidth()
     peaks = {d: gemm_peak(parse_dtype(d)) for d in sorted(set(args.dtypes) | ({"bfloat16"} if args.int4 else set()))}

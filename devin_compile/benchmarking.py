@@ -8,6 +8,7 @@ Both timers run with the arena reuse pool of :mod:`~devin_compile.runtime.arena_
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -57,18 +58,32 @@ def time_hf_decode(model, prompt_ids: list[int], new_tokens: int, repeats: int =
         # warm-up: one full-length run, excluded (as for devin-compile below)
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-            total = time.perf_counter() - t0
+            rate, ttft, out = hf_decode_round(model, ids, new_tokens, **kw)
             ttfts.append(ttft)
-            rates.append((new_tokens - 1) / max(total - ttft, 1e-9))
+            rates.append(rate)
     if out.shape[1] - len(prompt_ids) != new_tokens:
         raise RuntimeError(f"HF generated {out.shape[1] - len(prompt_ids)} tokens, expected {new_tokens}")
     return DecodeTiming(name, statistics.median(rates), statistics.median(ttfts),
                         out[0, len(prompt_ids):].tolist())
+
+
+def hf_decode_round(model, ids: torch.Tensor, new_tokens: int, **kw) -> tuple[float, float, torch.Tensor]:
+    """One timed HF round: the first token alone (TTFT), then ``new_tokens`` → (decode tokens/s after the first
+    token, TTFT seconds, the generated ids [1, T + new])."""
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        total = time.perf_counter() - t0
+    return (new_tokens - 1) / max(total - ttft, 1e-9), ttft, out
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """``OPTION=VALUE`` strings (a bench's ``--base``) → optimize() options: true/false and integers parsed."""
+    return {k: json.loads(v.lower()) if v.lower() in ("true", "false") or v.isdigit() else v
+            for k, v in (o.split("=", 1) for o in pairs)}
 
 
 def time_devin_decode(opt, prompt_ids: list[int], new_tokens: int, repeats: int = 3,
