@@ -101,8 +101,10 @@ def _cache_note(before: dict[str, int], after: dict[str, int]) -> str:
     said = []
     for name, group, key in _CACHES:
         hits, misses = (after[f"{group}.{key}_{w}"] - before[f"{group}.{key}_{w}"] for w in ("hit", "miss"))
-        if hits or misses:
-            said.append(f"{name} {'hit' if hits and not misses else 'miss' if not hits else f'{hits} hit, {misses} miss'}")
+        if hits and misses:
+            said.append(f"{name} {hits} hit, {misses} miss")
+        elif hits or misses:
+            said.append(f"{name} {'hit' if hits else 'miss'}")
     return (", ".join(said) or "torch's compile caches not consulted") + f" ({cache_dir()})"
 
 
