@@ -117,8 +117,8 @@ def _cache_root(config: OptimizeConfig, group: RankGroup | None) -> tuple[Path |
     if config.compile_cache is False or (config.compile_cache is True and os.environ.get("DEVIN_COMPILE_CACHE_OFF")
                                           not in (None, "", "0")):
         return None, "off"
-    for on, why in ((group is not None or config.tensor_parallel > 1, "tensor parallel"), (config.dump_dir is not None, "dumping passes"),
-                    (config.keep_quant_result, "keep_quant_result")):
+    for on, why in ((group is not None or config.tensor_parallel > 1, "tensor parallel"),
+                    (config.dump_dir is not None, "dumping passes"), (config.keep_quant_result, "keep_quant_result")):
         if on:
             return None, f"not used with {why}"
     return (None if config.compile_cache is True else Path(config.compile_cache)), None
