@@ -16,10 +16,13 @@ group beside the NCCL one on CUDA).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
+import gc
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -120,9 +123,29 @@ def init_rank_group(tp: int, device: torch.device, timeout_s: float | None = Non
     if not dist.is_initialized():
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", timeout=timeout)
+        atexit.register(_destroy_own_group)
     world = dist.group.WORLD
     messages = world if dist.get_backend(world) == "gloo" else dist.new_group(backend="gloo")
-    return RankGroup(dist.get_rank(), dist.get_world_size(), world.group_name, messages)
+    group = RankGroup(dist.get_rank(), dist.get_world_size(), world.group_name, messages)
+    _RANK_GROUPS.append(weakref.ref(group))
+    return group
+
+
+_RANK_GROUPS: "list[weakref.ref[RankGroup]]" = []  # what _destroy_own_group makes let go of the group
+
+
+def _destroy_own_group() -> None:
+    """At exit, the process group :func:`init_rank_group` created is destroyed and freed while the
+    interpreter is whole. Left to interpreter teardown, a gloo worker thread that drops a finished
+    message's tensors then needs the GIL and aborts the process ("terminate called without an active
+    exception") after its work is done. Freeing the group (no reference left: the rank groups let go
+    of it) joins those threads with the GIL released."""
+    for group in filter(None, (ref() for ref in _RANK_GROUPS)):
+        group.messages = None
+        group.failure = group.failure or "the process is exiting (its process group was destroyed)"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def rank_info(info: ModelInfo, spec: TensorParallelSpec) -> ModelInfo:
