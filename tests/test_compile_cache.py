@@ -10,6 +10,7 @@
   callables is not cacheable; the LRU bound evicts the least recently used entry, an entry over
   the bound is not kept;
 - two processes starting together on an empty cache: one compiles, the other reads its entry;
+- a hit in a new process registers the C++ CPU kernels of the ops its program calls (no pass ran);
 - ``devin-compile cache ls|clear``; ``--no-compile-cache``.
 """
 from __future__ import annotations
@@ -221,3 +222,37 @@ def test_two_processes_on_an_empty_cache(tmp_path):
     assert lines[0].split(" ", 1)[1] == lines[1].split(" ", 1)[1]
     (entry,) = ProgramStore(tmp_path).entries()
     assert ProgramStore(tmp_path).damage(entry.key) is None
+
+
+_HIT_KERNELS = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    sys.path.insert(0, {tests!r})
+    import torch
+    from conftest import FAMILIES, build_model
+    import devin_compile
+    from devin_compile.ops.cpu_kernels import devin_ops, kernel_loaders
+    fam = FAMILIES[{family!r}]
+    model = build_model(fam.model_type, fam.config_kwargs(), "eager", 0)
+    opt = devin_compile.optimize(model, compile_cache={folder!r}, warmup=False, dtype={dtype})
+    ops = devin_ops(opt.engine.runner.program.graphs.values()) & set(kernel_loaders())
+    print(sorted(op for op in ops if torch._C._dispatch_has_kernel_for_dispatch_key("devin::" + op, "CPU")))
+""")
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "torch.bfloat16"), ("mixtral", "torch.float32")])
+def test_a_hit_in_a_new_process_registers_the_ops_cpu_kernels(tiny_model, tmp_path, family, dtype):
+    """A program read from the cache ran no pass, yet a fresh process gets the C++ CPU kernels of the
+    ``devin::`` ops it calls, the same ones the compiling process registered (before: the Python kernels
+    served a hit, e.g. the packed bf16 output head unpacked its whole weight every step, ~4x slower)."""
+    from devin_compile.ops.cpu_kernels import devin_ops, kernel_loaders
+
+    opt = _optimize(tiny_model(family), tmp_path, dtype=eval(dtype))
+    ops = devin_ops(opt.engine.runner.program.graphs.values()) & set(kernel_loaders())
+    compiled_with = sorted(op for op in ops if torch._C._dispatch_has_kernel_for_dispatch_key(f"devin::{op}", "CPU"))
+    assert compiled_with, f"no devin op with a C++ CPU kernel in {sorted(ops)}"
+    code = _HIT_KERNELS.format(root=str(ROOT), tests=str(ROOT / "tests"), folder=str(tmp_path), family=family,
+                               dtype=dtype)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(compiled_with)

@@ -18,7 +18,8 @@ report and the passes' outputs. Tensors are kept out of the pickle (persistent i
 A program this cannot write (a tensor of another kind, a compiled callable from
 ``compile_decode``, an object pickle refuses) raises :class:`NotCacheable` naming it; the caller
 then simply does not cache it. Reading needs the same model (the key says so: every weight byte)
-on the device it was compiled for.
+on the device it was compiled for. No pass runs on a read: the C++ CPU kernels of the ``devin::``
+ops the graphs call are registered here (:mod:`..ops.cpu_kernels`), as the passes that emit them do.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from ..capture import ModelInfo
+from ..ops.cpu_kernels import load_for_graphs
 from ..ops.onednn_linear import PREPACK_HINT, prepack_weight
 from ..pipeline import Program
 
@@ -158,5 +160,6 @@ def load(folder: Path, model: torch.nn.Module) -> Compiled:
         state = _Reader(f, model, own).load()
     program = Program(state["graphs"], decode_buckets=state["decode_buckets"],
                       cuda_graph_buckets=state["cuda_graph_buckets"])
+    load_for_graphs(program.graphs.values())  # no pass ran to register the ops' C++ kernels
     return Compiled(program, state["info"], state["report"], state["outputs"], state["quant_result"],
                     state["quant_identity"])
