@@ -75,6 +75,14 @@ def _encode(w: torch.Tensor, ftype: str):
     return gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
 
 
+def rope_theta(cfg) -> float:
+    """The rotary base: ``rope_parameters`` (transformers 5) or ``rope_theta``; only plain RoPE is exported."""
+    rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rp.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rp['rope_type']!r} is not exported (only the default RoPE)")
+    return float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
 def _add_config(writer, model, ftype: str) -> None:
     """The llama.* hyper-parameters llama.cpp reads."""
     import gguf
@@ -87,7 +95,7 @@ def _add_config(writer, model, ftype: str) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", 10000.0)))
+    writer.add_rope_freq_base(rope_theta(cfg))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_vocab_size(cfg.vocab_size)

@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
-from gguf_export import export_gguf, gguf_name, rope_interleave  # noqa: E402
+from gguf_export import export_gguf, gguf_name, rope_interleave, rope_theta  # noqa: E402
 
 
 def _tokenizer():
@@ -37,8 +37,9 @@ def _model(vocab: int):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=0)
+                      rope_theta=50000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=0)
     model = LlamaForCausalLM(cfg).eval()
+    assert rope_theta(model.config) == 50000.0  # not the default base: the export must carry it
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
