@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -78,7 +77,8 @@ def main() -> None:
     model, tok = load_model(None, torch.bfloat16)
     ids = tok(open(TEXT).read()[:400], add_special_tokens=False)["input_ids"][:32]
     variants = [("devin bf16", {})] + ([] if args.no_int4 else [
-        ("devin INT4 g32", {"quantization": INT4}), ("devin INT4 g32 +head", {"quantization": {**INT4, "lm_head": True}})])
+        ("devin INT4 g32", {"quantization": INT4}),
+        ("devin INT4 g32 +head", {"quantization": {**INT4, "lm_head": True}})])
     opts, nbytes = {}, {}
     for name, kw in variants:
         for label, extra in ([(f"{name} (base)", base)] if base else []) + [(name, {})]:
