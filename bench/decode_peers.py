@@ -7,10 +7,13 @@ Engines (SmolLM2-135M, greedy, EOS ignored, 32-token prompt, same torch threads)
   devin bf16          optimize() defaults on the bf16 model;
   devin INT4 g32      the bf16 model with INT4 weights, RTN at group 32 (the blocks of the shipped Q4_1 GGUF,
                       whose dequantized weights the model is), output head in bf16 (the default);
+  devin INT4 g32 +head  the same with the (tied) output head in INT4 too (``lm_head``);
   ... (base)          the same built with ``--base`` options (a before/after of a change in one run);
   HF eager bf16/fp32  ``generate`` on the model in both dtypes (its best one is the peer);
-  llama.cpp Q4_1      llama-cpp-python on the same GGUF file, ``n_threads`` = torch's threads (the
-                      ``bench`` extra; skipped with a note when it is not installed).
+  llama.cpp Q4_1/F16/BF16  llama-cpp-python on GGUF exports of the same weights (bench/gguf_export.py,
+                      cached outside the repo; Q4_1 made by llama.cpp's quantizer), ``n_threads`` = torch's
+                      threads (bench/llama_cpp_peer.py; the ``bench`` extra, skipped with a note when it is
+                      not installed). Their greedy tokens on the F32 export are checked against HF fp32's.
 Each engine's decode tokens/s is the median over ``--repeats`` rounds (A, B, C, ... per round) of
 (new tokens - 1) / (time after the first token). Bytes read per token: the tensors the decode graph
 holds + the KV cache read at the mean context (devin); the GGUF's tensor bytes (llama.cpp); the
@@ -22,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -30,8 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import devin_compile  # noqa: E402
 from devin_compile.benchmarking import cpu_info, hf_decode_round, parse_options, read_bandwidth, time_devin_decodes  # noqa: E402,E501
-from devin_compile.models import load_model, smollm2_gguf_path  # noqa: E402
+from devin_compile.models import load_model  # noqa: E402
 from devin_compile.weights import held_bytes, held_tensors  # noqa: E402
+from llama_cpp_peer import llama_cpp_peers  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "..", "..", "shared", "data", "tinyshakespeare.txt")
@@ -52,37 +55,11 @@ def hf_round(model, ids: list[int], new_tokens: int):
     return run, out
 
 
-def llama_cpp_round(ids: list[int], new_tokens: int):
-    """llama.cpp on the shipped GGUF → (round function, its tokens, tensor bytes), or a note why not."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None, None, "llama-cpp-python is not installed (pip install -e '.[bench]')", 0
-    path = str(smollm2_gguf_path())
-    llm = llama_cpp.Llama(model_path=path, n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
-                          n_ctx=512, verbose=False)
-    out = {}
-
-    def run() -> float:
-        llm.reset()
-        toks, t0 = [], None
-        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            toks.append(tok)
-            if len(toks) == 1:
-                t0 = time.perf_counter()
-            if len(toks) == new_tokens:
-                break
-        out["tokens"] = toks
-        return (new_tokens - 1) / max(time.perf_counter() - t0, 1e-9)
-    run()  # warm-up
-    version = getattr(llama_cpp, "__version__", "?")
-    return run, out, f"llama-cpp-python {version}", _gguf_tensor_bytes(path)
-
-
-def _gguf_tensor_bytes(path: str) -> int:
-    from gguf import GGUFReader
-
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+def peer_ratios(rate: dict[str, float]) -> dict[str, float]:
+    """devin / llama.cpp decode rates at like precision, for the pairs this run timed."""
+    pairs = [("devin INT4 g32", "llama.cpp Q4_1"), ("devin INT4 g32 +head", "llama.cpp Q4_1"),
+             ("devin bf16", "llama.cpp BF16"), ("devin bf16", "llama.cpp F16")]
+    return {f"{a} / {b}": rate[a] / rate[b] for a, b in pairs if a in rate and b in rate}
 
 
 def main() -> None:
@@ -99,7 +76,9 @@ def main() -> None:
     bw = read_bandwidth()
     model, tok = load_model(None, torch.bfloat16)
     ids = tok(open(TEXT).read()[:400], add_special_tokens=False)["input_ids"][:32]
-    variants = [("devin bf16", {})] + ([] if args.no_int4 else [("devin INT4 g32", {"quantization": INT4})])
+    variants = [("devin bf16", {})] + ([] if args.no_int4 else [
+        ("devin INT4 g32", {"quantization": INT4}),
+        ("devin INT4 g32 +head", {"quantization": {**INT4, "lm_head": True}})])
     opts, nbytes = {}, {}
     for name, kw in variants:
         for label, extra in ([(f"{name} (base)", base)] if base else []) + [(name, {})]:
@@ -114,10 +93,11 @@ def main() -> None:
         others[label], tokens[label] = hf_round(m, ids, args.new_tokens)
         nbytes[label] = sum(p.numel() * p.element_size() for p in m.parameters())
     if not args.no_llama_cpp:
-        fn, out, note, gb = llama_cpp_round(ids, args.new_tokens)
-        notes["llama.cpp"] = note
-        if fn is not None:
-            others["llama.cpp Q4_1"], tokens["llama.cpp Q4_1"], nbytes["llama.cpp Q4_1"] = fn, out, gb
+        fns, outs, gbs, notes = llama_cpp_peers(ids, args.new_tokens, torch.get_num_threads(),
+                                                tokens["HF eager fp32"]["tokens"])
+        others.update(fns)
+        tokens.update(outs)
+        nbytes.update(gbs)
     print(f"{mach['cpu']} ({', '.join(mach['isa'])}), {mach['threads']} threads, load {mach['loadavg']}, "
           f"OMP_WAIT_POLICY={mach['omp_wait_policy']}; read bandwidth {bw / 1e9:.1f} GB/s; {notes}", flush=True)
     timings = time_devin_decodes(opts, ids, args.new_tokens, args.repeats, others=others)
@@ -132,6 +112,7 @@ def main() -> None:
         if "llama.cpp Q4_1" in rate:
             r["vs_llama_cpp"] = t.decode_tok_s / rate["llama.cpp Q4_1"]
         rows.append(r)
+    ratios = peer_ratios(rate)
     print("\n| engine | decode tok/s | MB read/token | share of read roofline | vs HF best | vs llama.cpp | "
           "greedy = devin bf16 |\n|---|---|---|---|---|---|---|")
     for r in rows:
@@ -139,10 +120,12 @@ def main() -> None:
         print(f"| {r['engine']} | {r['decode_tok_s']:.1f} | {r['bytes_per_token'] / 1e6:.1f} | "
               f"{r['read_roofline_share']:.0%} | {r['vs_hf_best']:.2f}x | {vs_ll} | "
               f"{r['same_greedy_tokens_as_devin_bf16']} |")
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "machine": mach, "loadavg_end": os.getloadavg(),
-                   "read_bandwidth_Bps": bw, "base_options": base, "notes": notes, "rows": rows,
+                   "read_bandwidth_Bps": bw, "base_options": base, "notes": notes, "rows": rows, "ratios": ratios,
                    "median_of": args.repeats, "new_tokens": args.new_tokens, "prompt_tokens": len(ids)}, f, indent=1)
     print(f"wrote {args.out}")
 
