@@ -12,7 +12,6 @@ is free again.
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -28,12 +27,7 @@ RECURRENT = [name for name in ("bamba", "granitemoehybrid", "nemotron_h", "mamba
              if name in FAMILIES]
 ATTENTION = [name for name in ("gpt_oss", "llama4_text", "xglm") if name in FAMILIES]  # sinks, chunks, spelling
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.filterwarnings("ignore")  # HF and torch notices of the tiny configs
 
 
 def _prompts() -> list[list[int]]:
