@@ -10,6 +10,7 @@ change one part (another torch version) and see a miss. An entry holds weights t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -65,6 +66,7 @@ def _version(dist: str) -> str:
         return "unknown"
 
 
+@functools.cache
 def _sources_digest() -> str:
     """A digest of devin-compile's own sources (Python, C, data): a checkout's edit is a new key."""
     h = xxhash.xxh3_64()
@@ -74,14 +76,9 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-_SOURCES: list[str] = []
-
-
 def versions() -> dict[str, str]:
     """The versions an entry is valid for (torch's own, as imported; devin-compile's with its sources)."""
-    if not _SOURCES:
-        _SOURCES.append(_sources_digest())
-    return {"devin-compile": f"{_version('devin-compile')}+src.{_SOURCES[0]}",
+    return {"devin-compile": f"{_version('devin-compile')}+src.{_sources_digest()}",
             "torch": torch.__version__, "transformers": _version("transformers")}
 
 
