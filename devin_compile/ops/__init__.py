@@ -2,6 +2,8 @@
 from . import int4_linear  # noqa: F401  (registers devin::int4_linear)
 from . import int4_embedding  # noqa: F401  (registers devin::int4_embedding)
 from . import fp8_linear  # noqa: F401  (registers devin::fp8_linear)
+from . import int8_linear  # noqa: F401  (registers devin::int8_linear)
+from . import int8_embedding  # noqa: F401  (registers devin::int8_embedding)
 from . import paged_attention  # noqa: F401  (registers devin::paged_attention)
 from . import kv_prune  # noqa: F401,E402  (registers devin::kv_prune)
 from . import rms_norm  # noqa: F401,E402  (registers devin::rms_norm)

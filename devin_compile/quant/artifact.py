@@ -10,6 +10,8 @@ when it was quantized too (``head`` in the JSON)::
     NAME.row_scale  fp32  [N]   (AWQ only) ... and diag(row_scale) · W
     NAME.fp8_weight float8_e4m3fn [N, K]  (FP8 tier) e4m3 codes of the same weight (backends.fp8.format)
     NAME.fp8_scale  fp32  [N]   (FP8 tier) per-row scales
+    HEAD.int8_weight int8 [N, K]  (``lm_head="int8"``, ``int8_head`` in the JSON) the head's INT8 values
+    HEAD.int8_scale fp32  [N]   ... and its per-row scales (backends.int8.format)
     override.PARAM  model dtype   a replacement for an HF parameter (AWQ-scaled norm weights)
 
 ``quant_config.json`` holds the format name and version, the method, bits, requested group
@@ -35,8 +37,9 @@ import torch
 
 from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
+from ..backends.int8 import format as int8_fmt
 from .calibration import check_fingerprint, output_head, quantizable_linears
-from .result import QLinear, QuantResult
+from .result import Int8Head, QLinear, QuantResult
 
 TENSORS_FILE = "quantized.safetensors"
 CONFIG_FILE = "quant_config.json"
@@ -68,12 +71,18 @@ def save(result: QuantResult, out_dir: str | os.PathLike) -> Path:
             tensors[f"{name}.fp8_weight"] = ql.fp8_q.contiguous().view(torch.float8_e4m3fn)
             tensors[f"{name}.fp8_scale"] = ql.fp8_scale.float().contiguous()
             layers[name].update(fp8_err=ql.fp8_err, fp8_loss_delta=ql.fp8_loss_delta)
+    head8 = result.int8_head
+    if head8 is not None:
+        tensors[f"{head8.name}.int8_weight"] = head8.q.contiguous()
+        tensors[f"{head8.name}.int8_scale"] = head8.scale.float().contiguous()
     for pname, value in result.overrides.items():
         tensors[f"override.{pname}"] = value.contiguous()
     meta = {"format": FORMAT, "version": VERSION, "method": result.method, "bits": result.bits,
             "group_size": result.group_size, "config": result.config, "fingerprint": result.fingerprint,
             "seconds": result.seconds, "calib": result.calib, "notes": result.notes, "linears": layers,
-            "overrides": sorted(result.overrides), "groups": result.groups, "head": result.head}
+            "overrides": sorted(result.overrides), "groups": result.groups, "head": result.head,
+            "int8_head": None if head8 is None else {"name": head8.name, "shape": list(head8.dims), "err": head8.err,
+                                                     "signal": head8.signal, "loss_delta": head8.loss_delta}}
     save_file(tensors, str(out / TENSORS_FILE), metadata={"format": FORMAT, "version": str(VERSION)})
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1, default=str))
     return out
@@ -97,7 +106,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module) -> QuantResult:
     return QuantResult(meta["method"], int(meta["bits"]), int(meta["group_size"]), linears, overrides,
                        meta["fingerprint"], config=meta.get("config", {}), seconds=float(meta.get("seconds", 0.0)),
                        calib=meta.get("calib", {}), notes=list(meta.get("notes", [])),
-                       groups=[list(g) for g in meta.get("groups", [])], head=head)
+                       groups=[list(g) for g in meta.get("groups", [])], head=head,
+                       int8_head=_read_int8_head(tensors, meta.get("int8_head"), model))
 
 
 @dataclass
@@ -193,6 +203,24 @@ def _read_linear(t: _Tensors, name: str, info: dict, lin: torch.nn.Linear) -> QL
         ql.fp8_q, ql.fp8_scale, ql.fp8_err = q8, s8, float(info["fp8_err"])
         ql.fp8_loss_delta = None if d8 is None else float(d8)
     return ql
+
+
+def _read_int8_head(t: _Tensors, info: dict | None, model: torch.nn.Module) -> Int8Head | None:
+    """The INT8 head the JSON names (``int8_head``), checked against ``model``'s output head."""
+    if info is None:
+        return None
+    found = output_head(model)
+    if not isinstance(info, dict) or found is None or info.get("name") != found[0]:
+        raise ValueError(f"quantized model {t.path} has an INT8 output head {info!r}, which this model lacks "
+                         "(its head is not that linear)")
+    name, lin = found
+    n, k = lin.out_features, lin.in_features
+    q = t.get(f"{name}.int8_weight", (n, k), torch.int8)
+    scale = t.get(f"{name}.int8_scale", (n,), torch.float32)
+    if int(q.min()) < -int8_fmt.INT8_MAX or not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError(f"quantized model {t.path}: {name} has INT8 values of -128 or scales that are not "
+                         "finite and positive")
+    return Int8Head(name, q, scale, (n, k), info.get("err"), info.get("signal"), info.get("loss_delta"))
 
 
 def _read_overrides(t: _Tensors, names: list[str], model: torch.nn.Module) -> dict[str, torch.Tensor]:

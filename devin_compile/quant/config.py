@@ -131,9 +131,12 @@ class QuantConfig:
     # per step (the C kernels; aten's "cpu" kernel has no tiles and runs every step); None: False wherever
     # the tiles exist, True for aten's "cpu" kernel (the fallback without a C compiler)
     dense_prefill: bool | None = None
-    # also quantize the output head (lm_head); a tied embedding then reads the INT4 head's rows
-    # (devin::int4_embedding): no dense table is kept (SmolLM2 fp32: 0.31x the parameter bytes, not 0.49x)
-    lm_head: bool = False
+    # the output head (lm_head): "int8" (the default: symmetric INT8, one scale a row, outside the target and
+    # the tiers), "int4" (True: quantized like the decoder linears, a candidate of the target), or False (kept
+    # in the model dtype). A tied embedding reads the quantized head's rows (devin::int8_embedding /
+    # int4_embedding), so no dense table is kept: SmolLM2 fp32 INT4 holds 0.33x its parameter bytes with the
+    # INT8 head, 0.31x with the INT4 one, 0.49x with the head kept (docs/benchmarks.md#memory)
+    lm_head: Any = "int8"
     # calibration and the per-layer loops: True log lines (logger devin_compile.quant, INFO), False silent,
     # or a callable fn(done, total, *info) (quant/progress.py); not part of the config's identity
     progress: Any = dataclasses.field(default=True, repr=False, compare=False)
@@ -156,7 +159,7 @@ class QuantConfig:
         int_at_least("max_int4_tokens", self.max_int4_tokens, 0, optional=True)
         if self.dense_prefill is not None:
             flag("dense_prefill", self.dense_prefill)
-        flag("lm_head", self.lm_head)
+        self.lm_head = parse_head(self.lm_head)
         check_progress(self.progress, "quantization progress")
         if self.data is not None and not isinstance(self.data, (str, os.PathLike)) and not (
                 isinstance(self.data, (list, tuple)) and self.data
@@ -187,6 +190,21 @@ class QuantConfig:
             return from_mapping(cls, value, "quantization")
         raise ValueError(f"quantization={value!r} must be a dict such as "
                          "{'method': 'awq', 'bits': 4, 'group_size': 64}")
+
+
+HEAD_CHOICES = ("int8", "int4", False)
+
+
+def parse_head(value: Any) -> str | bool:
+    """``lm_head``: "int8" | "int4" (also True) | False (also None, "none", "fp": kept in the model dtype)."""
+    if value is True:
+        return "int4"
+    if value is None or value is False or value in ("none", "fp"):
+        return False
+    if value in ("int8", "int4"):
+        return value
+    raise ValueError(f"quantization lm_head={value!r} is unsupported; valid: 'int8' (the default: INT8, one "
+                     "scale a row), 'int4' or True (INT4, like the decoder linears), False (kept in the model dtype)")
 
 
 def check_rounding_options(opts: Mapping[str, Any], prefix: str = "") -> None:

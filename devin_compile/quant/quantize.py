@@ -31,11 +31,12 @@ from . import awq, gptq
 from .anchor import anchor_outlier_channels
 from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
+from ..backends.int8 import format as int8_fmt
 from .calibration import CalibrationStats, model_fingerprint, output_head, quantizable_linears
 from .config import QuantConfig
 from .grid_refit import refit_and_reround
 from .progress import Progress, ProgressArg
-from .result import QLinear, QuantResult
+from .result import Int8Head, QLinear, QuantResult
 from .threads import map_ordered
 
 
@@ -55,7 +56,8 @@ def _fold_source(name: str, linears: dict[str, torch.nn.Linear]) -> str | None:
 def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: QuantConfig | Mapping | None = None,
                    progress: ProgressArg = None) -> QuantResult:
     """Quantize every decoder linear of ``model`` (not modified) with ``config.method``, and the
-    output head too with ``lm_head=True`` (its AWQ scale folds into the final norm).
+    output head: to INT8 per row with ``lm_head="int8"`` (the default), like the decoder linears with
+    ``lm_head="int4"`` (its AWQ scale folds into the final norm).
 
     ``progress`` (:mod:`.progress`; default ``config.progress``): AWQ's scale search per input
     group, then the per-linear loop; a callable gets ``(done, total, linear or input name)``."""
@@ -63,8 +65,8 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
     if progress is None:
         progress = cfg.progress
     t0 = time.perf_counter()
-    lins = quantizable_linears(model, cfg.lm_head)
-    head = output_head(model)[0] if cfg.lm_head else None
+    lins = quantizable_linears(model, cfg.lm_head == "int4")
+    head = output_head(model)[0] if cfg.lm_head == "int4" else None
     _check_statistics_cover(stats, lins, head)
     weights = {n: m.weight.detach().float().cpu() for n, m in lins.items()}
     groups: dict[str, list[str]] = {}
@@ -92,7 +94,27 @@ def quantize_model(model: torch.nn.Module, stats: CalibrationStats, config: Quan
                        config=_config_dict(cfg), seconds=time.perf_counter() - t0,
                        calib={"tokens": stats.tokens, "num_chunks": stats.num_chunks, "chunk_len": stats.chunk_len,
                               "data": stats.data, "seconds": stats.seconds}, notes=notes,
-                       groups=[list(g) for g in groups.values()], head=head)
+                       groups=[list(g) for g in groups.values()], head=head,
+                       int8_head=_int8_head(model, stats) if cfg.lm_head == "int8" else None)
+
+
+def _int8_head(model: torch.nn.Module, stats: CalibrationStats) -> Int8Head | None:
+    """The output head rounded to INT8 per row (None when the model's head is not a linear), with its error
+    statistics when the calibration covers the head's input."""
+    found = output_head(model)
+    if found is None:
+        return None
+    name, lin = found
+    w = lin.weight.detach().float().cpu()
+    q, scale = int8_fmt.quantize(w)
+    head = Int8Head(name, q, scale, tuple(w.shape))
+    key = stats.linear_input.get(name)
+    if key is not None:
+        h = stats.hessian[key].float()
+        dw = int8_fmt.dequantize(q, scale) - w
+        head.err, head.signal = float(awq.output_error(dw, h).sum()), float(awq.output_error(w, h).sum())
+        head.loss_delta = _loss_delta(dw, stats.grad_hessian.get(key, h).float(), stats.fisher.get(name))
+    return head
 
 
 def _check_statistics_cover(stats: CalibrationStats, lins: dict[str, torch.nn.Linear], head: str | None) -> None:

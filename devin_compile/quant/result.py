@@ -9,6 +9,7 @@ import torch
 
 from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
+from ..backends.int8 import format as int8_fmt
 
 
 @dataclass
@@ -74,6 +75,24 @@ class QLinear:
 
 
 @dataclass
+class Int8Head:
+    """The output head in INT8 (``lm_head="int8"``; :mod:`devin_compile.backends.int8.format`): symmetric
+    per-row rounding of its weight, outside the target's choice. ``err``/``signal``/``loss_delta`` as for a
+    :class:`QLinear` (None when the calibration has no statistics of the head's input)."""
+
+    name: str  # HF module name (lm_head)
+    q: torch.Tensor | None  # int8 [N, K] (None once released: QuantResult.without_tensors)
+    scale: torch.Tensor | None  # fp32 [N]
+    dims: tuple[int, int]
+    err: float | None = None
+    signal: float | None = None
+    loss_delta: float | None = None
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return int8_fmt.dequantize(self.q, self.scale, dtype)
+
+
+@dataclass
 class QuantResult:
     method: str
     bits: int
@@ -86,7 +105,8 @@ class QuantResult:
     calib: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)  # linears sharing one input (fused in the graph)
-    head: str | None = None  # the output head's module name when it is quantized too (lm_head=True)
+    head: str | None = None  # the output head's module name when it is an INT4 candidate (lm_head="int4")
+    int8_head: Int8Head | None = None  # the output head in INT8 (lm_head="int8")
     tensors_released: bool = False  # a report without weights (without_tensors): nothing to save or simulate
 
     def without_tensors(self) -> "QuantResult":
@@ -95,7 +115,8 @@ class QuantResult:
         tensor_fields = ("q", "scale", "minv", "in_scale", "row_scale", "fp8_q", "fp8_scale")
         linears = {n: dataclasses.replace(ql, dims=ql.shape, **dict.fromkeys(tensor_fields))
                    for n, ql in self.linears.items()}
-        return dataclasses.replace(self, linears=linears, overrides={}, tensors_released=True)
+        head8 = self.int8_head and dataclasses.replace(self.int8_head, q=None, scale=None)
+        return dataclasses.replace(self, linears=linears, overrides={}, int8_head=head8, tensors_released=True)
 
     def check_tensors(self, what: str) -> None:
         """``ValueError`` naming ``what`` when this result holds no tensors (:meth:`without_tensors`)."""

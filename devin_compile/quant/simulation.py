@@ -15,7 +15,8 @@ def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None 
     their dequantized INT4 weights, those in ``fp8`` by their dequantized FP8 weights and the
     others by their full-precision weights, AWQ folds applied: what the compiled model computes,
     in eager PyTorch (for tests and evaluation). An embedding tied to an INT4 head reads the head's dequantized
-    rows (AWQ's input scale undone), as the compiled model does."""
+    rows (AWQ's input scale undone), as the compiled model does; an INT8 head (``int8_head``) replaces the
+    head's weight, and with it a tied embedding's."""
     result.check_tensors("simulate()")
     sim = copy.deepcopy(model)
     eight = set(fp8 or ())
@@ -38,6 +39,9 @@ def simulate(model: torch.nn.Module, result: QuantResult, int4: set[str] | None 
                     else ql.fp_weight(w))
         if tied:  # the embedding reads the INT4 head's rows (devin::int4_embedding), AWQ's input scale undone
             emb.weight.copy_(head.embedding_rows().to(emb.weight.dtype))
+        if result.int8_head is not None:  # a tied embedding shares the weight: it reads the INT8 rows too
+            w = dict(sim.named_modules())[result.int8_head.name].weight
+            w.copy_(result.int8_head.dequantized(w.dtype))
     return sim
 
 

@@ -10,7 +10,8 @@ each decoded chunk into every row of x of a tile (up to 8 rows on AVX-512, 4 on 
 FMAs (bf16 activations with AVX512-BF16: vdpbf16ps) and applies the row scale once per output.
 Float32 sums: "dequantize, then an fp32 matmul" up to rounding order. Activations float32, bf16
 or fp16; the output has x's dtype. The op's C++ kernel (:mod:`.cpu_fp8_op`) serves the per-step
-calls; :func:`fp8_mm` is the Python path.
+calls; :func:`fp8_mm` is the Python path. The same kernel multiplies INT8 codes in the same layout
+(``codes="int8"``: :mod:`devin_compile.backends.int8`), only its decoder differs.
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ _p, _i64, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = [_p, _i64, _i, _i, _i, _p, _p, _i, _p, _i64]  # x, x_stride, m, k, dtype, q, scale, n, out, out_stride
 
 _KERNEL = CKernel("cpu_fp8_linear.c", {"devin_fp8_simd": [], "devin_fp8_linear": [*_ARGS, _i],
-                                        "devin_fp8_linear_scalar": _ARGS, "devin_fp8_decode": [_p, _i, _p]})
+                                        "devin_fp8_linear_scalar": _ARGS, "devin_fp8_decode": [_p, _i, _p],
+                                        "devin_int8_linear": [*_ARGS, _i], "devin_int8_linear_scalar": _ARGS})
+CODES = ("e4m3", "int8")  # what a byte of the weight is
 
 
 def load(variant: str = "native") -> ctypes.CDLL | None:
@@ -77,24 +80,29 @@ def decode(q: torch.Tensor, variant: str = "native") -> torch.Tensor:
 
 
 def fp8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int, scalar: bool = False,
-           variant: str = "native") -> torch.Tensor:
-    """``x [..., K] @ (e4m3(q) · scale)ᵀ`` → [..., n] in x's dtype, ``q`` in :func:`pack`'s layout.
+           variant: str = "native", codes: str = "e4m3") -> torch.Tensor:
+    """``x [..., K] @ (e4m3(q) · scale)ᵀ`` → [..., n] in x's dtype, ``q`` in :func:`pack`'s layout
+    (``codes="int8"``: ``q`` holds int8 values, ``x @ (int8(q) · scale)ᵀ``).
     ``scalar``: the portable (table) path only; ``variant``: a build of
     :data:`~..native.build.VARIANTS` (tests)."""
+    if codes not in CODES:
+        raise ValueError(f"codes={codes!r} is unknown; valid: {list(CODES)}")
     lib = load(variant)
     if lib is None:
-        raise RuntimeError("the C fp8 kernel is unavailable on this machine (see the log); use kernel='reference'")
+        raise RuntimeError(f"the C {codes} kernel is unavailable on this machine (see the log); use "
+                           "kernel='reference'")
     if not x.is_contiguous():
         x = x.contiguous()
     k = x.shape[-1]
     if tuple(q.shape) != ((n + 1) // 2, 2 * padded_k(k)) or q.dtype != torch.uint8 or not q.is_contiguous():
-        raise ValueError(f"fp8 cpu_c weight {q.dtype}{list(q.shape)} is not the packed layout of an [{n}, {k}] "
+        raise ValueError(f"{codes} cpu_c weight {q.dtype}{list(q.shape)} is not the packed layout of an [{n}, {k}] "
                          "weight (cpu_fp8_linear.pack)")
     m = x.numel() // k if k else 0
     out = x.new_empty((*x.shape[:-1], n))
     args = (x.data_ptr(), k, m, k, _DTYPES[x.dtype], q.data_ptr(), scale.data_ptr(), n, out.data_ptr(), n)
-    rc = lib.devin_fp8_linear_scalar(*args) if scalar else lib.devin_fp8_linear(*args, torch.get_num_threads())
+    entry = "devin_fp8_linear" if codes == "e4m3" else "devin_int8_linear"
+    rc = getattr(lib, entry + "_scalar")(*args) if scalar else getattr(lib, entry)(*args, torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"the C fp8 kernel rejected its arguments (code {rc}): x {tuple(x.shape)}, "
+        raise RuntimeError(f"the C {codes} kernel rejected its arguments (code {rc}): x {tuple(x.shape)}, "
                            f"q {tuple(q.shape)}")
     return out

@@ -1,4 +1,7 @@
-/* Weight-only FP8 (e4m3fn) linear for CPU at a few rows: y[m, n] = scale[n] * sum_k x[m, k] * e4m3(q[n, k]).
+/* Weight-only FP8 (e4m3fn) linear for CPU at a few rows: y[m, n] = scale[n] * sum_k x[m, k] * e4m3(q[n, k]);
+ * and the same product over INT8 codes (devin_int8_linear: y[m, n] = scale[n] * sum_k x[m, k] * (int8)q[n, k]),
+ * which shares the layout, the tiles and the threads and differs only in the decoder (the byte sign-extended
+ * to 32 bits and converted to float: vpmovsxbd + vcvtdq2ps; the VBMI/BF16 paths are e4m3 only).
  *
  * Built and loaded by backends/fp8/cpu_fp8_linear.py (system C compiler, -O3 -march=native, OpenMP).
  * The torch reference (backends/fp8/kernels.py, kernel "reference") is the oracle; tests compare.
@@ -76,18 +79,21 @@ static void init_lut(void) {
 }
 
 /* ---- portable: one pair of weight rows against every row of x (xf rows kp apart) ----------- */
+static inline float code_value(uint8_t c, int i8) { return i8 ? (float)(int8_t)c : LUT[c]; }
+
 static void pair_scalar(const uint8_t *restrict w, int chunks, const float *restrict xf, int64_t xs, int m,
-                        float *restrict res, int64_t rs) {
+                        float *restrict res, int64_t rs, int i8) {
+    const float f = i8 ? 1.0f : 1.0f / 256.0f; /* as the vector paths: e4m3 value / 256, int8 value */
     for (int r = 0; r < m; r++) {
         float s0 = 0.0f, s1 = 0.0f;
         for (int c = 0; c < chunks; c++)
             for (int j = 0; j < CH; j++) {
                 const float xv = xf[r * xs + CH * c + j];
-                s0 += xv * LUT[w[2 * CH * c + j]];
-                s1 += xv * LUT[w[2 * CH * c + CH + j]];
+                s0 += xv * code_value(w[2 * CH * c + j], i8);
+                s1 += xv * code_value(w[2 * CH * c + CH + j], i8);
             }
-        res[r * rs] = s0 * (1.0f / 256.0f); /* as the vector paths: value / 256 */
-        res[r * rs + 1] = s1 * (1.0f / 256.0f);
+        res[r * rs] = s0 * f;
+        res[r * rs + 1] = s1 * f;
     }
 }
 
@@ -98,6 +104,19 @@ static void pair_scalar(const uint8_t *restrict w, int chunks, const float *rest
 static inline __m256i to_half_bits(__m128i codes) {
     const __m256i v = _mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7);
     return _mm256_and_si256(v, _mm256_set1_epi16((short)0xBFFF));
+}
+
+/* 16 codes at p -> 16 floats in two vectors: e4m3 value / 256 (F16C), or the int8 value (I8). */
+static inline __attribute__((always_inline)) void decode16_avx2(const uint8_t *p, const int I8, __m256 *lo, __m256 *hi) {
+    const __m128i c = _mm_loadu_si128((const __m128i *)p);
+    if (I8) {
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+    } else {
+        const __m256i h = to_half_bits(c);
+        *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    }
 }
 #endif
 
@@ -118,9 +137,14 @@ static inline __attribute__((always_inline)) void finish_pair(const __m512 *a0, 
 }
 
 /* One pair (w: its chunks) x R rows of x: res[r * rs], res[r * rs + 1] get the sums / 256. */
+static inline __attribute__((always_inline)) __m512 decode16_avx512(const uint8_t *p, const int I8) {
+    const __m128i c = _mm_loadu_si128((const __m128i *)p);
+    return I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)) : _mm512_cvtph_ps(to_half_bits(c));
+}
+
 static inline __attribute__((always_inline)) void pair_avx512(const uint8_t *restrict w, int chunks,
                                                               const float *restrict xf, int64_t xs, const int R,
-                                                              float *restrict res, int64_t rs) {
+                                                              const int I8, float *restrict res, int64_t rs) {
     const int NA = R <= 2 ? 4 : 1; /* accumulators per row of x: few rows need more independent FMA chains */
     __m512 a0[8], a1[8];
 #pragma GCC unroll 8
@@ -128,8 +152,8 @@ static inline __attribute__((always_inline)) void pair_avx512(const uint8_t *res
     for (int c = 0; c < chunks; c++) {
 #pragma GCC unroll 4
         for (int s = 0; s < CH; s += 16) {
-            const __m512 v0 = _mm512_cvtph_ps(to_half_bits(_mm_loadu_si128((const __m128i *)(w + 2 * CH * c + s))));
-            const __m512 v1 = _mm512_cvtph_ps(to_half_bits(_mm_loadu_si128((const __m128i *)(w + 2 * CH * c + CH + s))));
+            const __m512 v0 = decode16_avx512(w + 2 * CH * c + s, I8);
+            const __m512 v1 = decode16_avx512(w + 2 * CH * c + CH + s, I8);
             const int a = (s / 16) % NA;
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
@@ -146,17 +170,16 @@ static inline __attribute__((always_inline)) void pair_avx512(const uint8_t *res
 #elif defined(HAVE_F16C_DECODE)
 static inline __attribute__((always_inline)) void pair_avx2(const uint8_t *restrict w, int chunks,
                                                             const float *restrict xf, int64_t xs, const int R,
-                                                            float *restrict res, int64_t rs) {
+                                                            const int I8, float *restrict res, int64_t rs) {
     __m256 a0[8], a1[8]; /* tiles of at most 4 rows; 8 keeps the unused case 8 in bounds */
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
     for (int c = 0; c < chunks; c++) {
 #pragma GCC unroll 4
         for (int s = 0; s < CH; s += 16) {
-            const __m256i h0 = to_half_bits(_mm_loadu_si128((const __m128i *)(w + 2 * CH * c + s)));
-            const __m256i h1 = to_half_bits(_mm_loadu_si128((const __m128i *)(w + 2 * CH * c + CH + s)));
-            const __m256 v0l = _mm256_cvtph_ps(_mm256_castsi256_si128(h0)), v0h = _mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1));
-            const __m256 v1l = _mm256_cvtph_ps(_mm256_castsi256_si128(h1)), v1h = _mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1));
+            __m256 v0l, v0h, v1l, v1h;
+            decode16_avx2(w + 2 * CH * c + s, I8, &v0l, &v0h);
+            decode16_avx2(w + 2 * CH * c + CH + s, I8, &v1l, &v1h);
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const float *xr = xf + r * xs + CH * c + s;
@@ -267,7 +290,8 @@ static inline __attribute__((always_inline)) void pair_bf16(const uint8_t *restr
 #endif
 #endif
 
-/* Which inner kernel runs: 0 portable, 1 F16C (AVX2/AVX-512), 2 VBMI float32, 3 VBMI bf16 dot. */
+/* Which inner kernel runs: 0 portable, 1 F16C (AVX2/AVX-512; int8 codes: the same kernel's int8 decoder),
+ * 2 VBMI float32, 3 VBMI bf16 dot (e4m3 only). */
 enum { K_SCALAR = 0, K_F16C = 1, K_VBMI = 2, K_BF16 = 3 };
 
 #define DISPATCH_R(CALL) \
@@ -279,10 +303,10 @@ enum { K_SCALAR = 0, K_F16C = 1, K_VBMI = 2, K_BF16 = 3 };
     }
 
 /* One pair against all m rows of x (xv: x in the chosen kernel's layout, rows kp apart), in tiles. */
-static void pair_rows(int kind, const uint8_t *w, int chunks, const void *xv, int64_t kp, int m, float *res,
+static void pair_rows(int kind, int i8, const uint8_t *w, int chunks, const void *xv, int64_t kp, int m, float *res,
                       int64_t rs) {
     if (kind == K_SCALAR) {
-        pair_scalar(w, chunks, (const float *)xv, kp, m, res, rs);
+        pair_scalar(w, chunks, (const float *)xv, kp, m, res, rs, i8);
         return;
     }
 #ifdef PAIR_KERNEL
@@ -309,7 +333,13 @@ static void pair_rows(int kind, const uint8_t *w, int chunks, const void *xv, in
                 continue;
             }
 #endif
-#define CALL(RR) PAIR_KERNEL(w, chunks, xf, kp, RR, out, rs)
+            if (i8) {
+#define CALL(RR) PAIR_KERNEL(w, chunks, xf, kp, RR, 1, out, rs)
+                DISPATCH_R(CALL)
+#undef CALL
+                continue;
+            }
+#define CALL(RR) PAIR_KERNEL(w, chunks, xf, kp, RR, 0, out, rs)
             DISPATCH_R(CALL) /* constant R per call: the accumulators stay in registers */
 #undef CALL
         }
@@ -318,7 +348,7 @@ static void pair_rows(int kind, const uint8_t *w, int chunks, const void *xv, in
 }
 
 static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *q, const float *scale,
-                      int n, void *out, int64_t out_stride, int num_threads, int scalar) {
+                      int n, void *out, int64_t out_stride, int num_threads, int scalar, int i8) {
     (void)scalar;
     if (m < 0 || n < 0 || k < 0) return -1;
     if (m == 0 || n == 0) return 0;
@@ -330,10 +360,10 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
     if (!scalar) kind = K_F16C;
 #endif
 #ifdef HAVE_VBMI_DECODE
-    if (!scalar) kind = K_VBMI;
+    if (!scalar && !i8) kind = K_VBMI;
 #endif
 #ifdef HAVE_BF16_DOT
-    if (!scalar && dtype == DT_BF16) kind = K_BF16;
+    if (!scalar && !i8 && dtype == DT_BF16) kind = K_BF16;
 #endif
     /* xf [m, kp] (x in float, zero past k) | xv [m, kp] (the VBMI kernels' order) | res [m, n + 1] (a
      * spare column: the zero row of an odd last pair) */
@@ -369,8 +399,9 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && pairs > 1)
     for (int p = 0; p < pairs; p++) {
         const int r0 = 2 * p;
-        pair_rows(kind, q + (int64_t)p * 2 * kp, chunks, xv, kp, m, res + r0, rs);
-        const float s0 = 256.0f * scale[r0], s1 = r0 + 1 < n ? 256.0f * scale[r0 + 1] : 0.0f;
+        pair_rows(kind, i8, q + (int64_t)p * 2 * kp, chunks, xv, kp, m, res + r0, rs);
+        const float unit = i8 ? 1.0f : 256.0f; /* the e4m3 decoders give value / 256 */
+        const float s0 = unit * scale[r0], s1 = r0 + 1 < n ? unit * scale[r0 + 1] : 0.0f;
         for (int i = 0; i < m; i++) {
             res[i * rs + r0] *= s0;
             res[i * rs + r0 + 1] *= s1;
@@ -384,13 +415,24 @@ static int fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, 
 /* Returns 0, or a negative code for arguments it cannot take. q: the pair layout above. */
 int devin_fp8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *q, const float *scale,
                      int n, void *out, int64_t out_stride, int num_threads) {
-    return fp8_linear(x, x_stride, m, k, dtype, q, scale, n, out, out_stride, num_threads, 0);
+    return fp8_linear(x, x_stride, m, k, dtype, q, scale, n, out, out_stride, num_threads, 0, 0);
 }
 
 /* The same product by the portable (table) path only: tests check the vector paths against it. */
 int devin_fp8_linear_scalar(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *q,
                             const float *scale, int n, void *out, int64_t out_stride) {
-    return fp8_linear(x, x_stride, m, k, dtype, q, scale, n, out, out_stride, 1, 1);
+    return fp8_linear(x, x_stride, m, k, dtype, q, scale, n, out, out_stride, 1, 1, 0);
+}
+
+/* The same products over INT8 codes (two's complement bytes, same pair layout): y = scale[n] * sum x * q. */
+int devin_int8_linear(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *q, const float *scale,
+                      int n, void *out, int64_t out_stride, int num_threads) {
+    return fp8_linear(x, x_stride, m, k, dtype, q, scale, n, out, out_stride, num_threads, 0, 1);
+}
+
+int devin_int8_linear_scalar(const void *x, int64_t x_stride, int m, int k, int dtype, const uint8_t *q,
+                             const float *scale, int n, void *out, int64_t out_stride) {
+    return fp8_linear(x, x_stride, m, k, dtype, q, scale, n, out, out_stride, 1, 1, 1);
 }
 
 /* e4m3 codes -> floats through the F16C decoder (AVX2/AVX-512 builds) or the table: tests compare
