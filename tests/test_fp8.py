@@ -305,7 +305,8 @@ def test_three_tier_model_equals_eager_simulation(tiny, tmp_path, dtype):
     frac = 0.3 if dtype == torch.float32 else 0.5  # budgets where this model's knapsack mixes all three tiers
     opt = devin_compile.optimize(model, quantized=str(tmp_path / "q"),
                                  quantization={"tiers": "int4,fp8", "target": {"memory_fraction": frac}})
-    table = opt.precision_table
+    *table, head = opt.precision_table  # the INT8 output head last, outside the budget
+    assert head["precision"] == "int8"
     assert {r["precision"] for r in table} == {"int4", "fp8", str(dtype)[6:]}, [r["precision"] for r in table]
     assert sum(r["bytes"] for r in table) <= frac * sum(r["params"] for r in table) * model.dtype.itemsize
     rec = next(r for r in opt.pass_report.records if r.name == "assign_precision")

@@ -641,7 +641,7 @@ def test_awq_folding_keeps_fp_outputs(tiny, tiny_results):
     res = tiny_results["awq"]
     assert res.overrides  # folded into both norms of each layer
     assert any(ql.row_scale is not None for ql in res.linears.values())  # up → down fold
-    fp = simulate(model, res, int4=set())  # all scales applied, nothing rounded
+    fp = simulate(model, dataclasses.replace(res, int8_head=None), int4=set())  # all scales applied, nothing rounded
     ids = torch.randint(3, 256, (1, 40))
     with torch.no_grad():
         assert torch.allclose(fp(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
@@ -788,9 +788,9 @@ def test_compiled_int4_model_equals_eager_simulation(tiny, method):
     assert (opt(ids).logits - ref).abs().max() <= 1e-4
     # the report matches the graph: one int4 node per decoder linear group (q/k/v, o, gate/up, down)
     rec = next(r for r in opt.pass_report.records if r.name == "assign_precision")
-    table = opt.precision_table
-    assert rec.matches == len(table) == 8
-    assert len(_int4_nodes(opt)) >= rec.matches  # (the decode graph holds another copy of each)
+    *table, head = opt.precision_table  # the decoder linears, then the output head (INT8 by default)
+    assert rec.matches == len(table) + 1 == 9 and (head["linear"], head["precision"], head["bits"]) == ("lm_head", "int8", 8)
+    assert len(_int4_nodes(opt)) >= len(table)  # (the decode graph holds another copy of each)
     assert all(r["precision"] == "int4" and r["bits"] == 4 for r in table)
     # hidden 96: group 64 does not divide q/k/v/o/gate/up inputs → 32, said in the table and note
     groups = {r["linear"].split(".")[-1]: r for r in table}
@@ -818,7 +818,7 @@ def test_targets_pick_layers_by_sensitivity(tiny, tiny_results):
         path = f"/tmp/devin_quant_test_{abs(hash(str(target)))}"
         artifact.save(res, path)
         opt = optimize(model, quantized=path, quantization={"target": target})
-        table = opt.precision_table
+        table = [r for r in opt.precision_table if r["precision"] != "int8"]  # the INT8 head: outside the target
         assert check(table), (target, table)
         kept = [r for r in table if r["precision"] != "int4"]
         if target == "keep_fp=2":
@@ -911,7 +911,7 @@ def test_lm_head_needs_head_statistics(tiny):
     ({"target": {"int4_fraction": 1.5}}, r"out of range"),
     ({"kernel": "cuda"}, r"kernel='cuda' is unknown; valid"),
     ({"colour": 1}, r"unknown keys \['colour'\]"),
-    ({"lm_head": "yes"}, r"lm_head='yes' must be True or False"),
+    ({"lm_head": "yes"}, r"lm_head='yes' is unsupported; valid: 'int8'"),
     ({"loss_weight": -1}, r"loss_weight"),
     ({"anchors": -2}, r"anchors"),
     ({"refits": 1.5}, r"refits=1.5 must be an integer >= 0"),
@@ -1007,10 +1007,14 @@ def test_max_kl_target_is_resolved_by_measurement(tiny):
     kw = {"method": "rtn", "group_size": 32, "calib_chunks": 2, "calib_len": 64}
     loose = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={**kw, "target": "max_kl=100"},
                                    keep_quant_result=True)
-    assert all(r["precision"] == "int4" for r in loose.precision_table)
+    assert all(r["precision"] == "int4" for r in loose.precision_table if r["linear"] != "lm_head")
     assert "max_kl=100.0: keep_fp=0 of 8" in " ".join(loose.quant_result.notes)
-    strict = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={**kw, "target": {"max_kl": 1e-12}})
-    assert all(r["precision"] != "int4" for r in strict.precision_table)
+    strict = devin_compile.optimize(model, tokenizer=CharTokenizer(), keep_quant_result=True,
+                                    quantization={**kw, "target": {"max_kl": 1e-12}})
+    assert "the INT8 output head alone exceeds it: lm_head=False" in " ".join(strict.quant_result.notes)
+    strict = devin_compile.optimize(model, tokenizer=CharTokenizer(),
+                                    quantization={**kw, "target": {"max_kl": 1e-12}, "lm_head": False})
+    assert all(r["precision"] not in ("int4", "int8") for r in strict.precision_table)
     ids = torch.randint(3, 256, (1, 16))
     with torch.no_grad():
         assert (strict(ids).logits - model(ids).logits).abs().max() <= 1e-4

@@ -87,8 +87,10 @@ def _add_run_arguments(r) -> None:
                    help="per-linear overrides of --damp/--loss-weight/--anchors/--refits/act_order/clip as a JSON "
                         "object {regex on linear names: {option: value}}, first match wins (default: GPTQ rounds "
                         "the MLP input projections with loss_weight 0 and damp 0.5; '{}': none)")
-    r.add_argument("--lm-head", action="store_true",
-                   help="also quantize the output head (a tied embedding keeps its model-dtype weight)")
+    r.add_argument("--lm-head", nargs="?", const="int4", default="int8", choices=("int8", "int4", "none"),
+                   help="the output head's precision: int8 (default: one scale a row, near lossless), int4 (like "
+                        "the decoder linears; the bare flag), none (kept in the model dtype); a tied embedding "
+                        "reads a quantized head's rows")
     r.add_argument("--out", required=True, metavar="DIR",
                    help="directory for quantized.safetensors + quant_config.json")
     r.add_argument("--quiet", action="store_true", help="no progress (bars on a terminal, else log lines)")
@@ -142,7 +144,7 @@ def quantize(args) -> int:
                              "give one")
         target = {"memory_fraction": args.memory_fraction}
     cfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, target=target,
-                      tiers=args.tiers, act_order=not args.no_act_order, clip=not args.no_clip, lm_head=args.lm_head,
+                      tiers=args.tiers, act_order=not args.no_act_order, clip=not args.no_clip, lm_head=False if args.lm_head == "none" else args.lm_head,
                       **{k: v for k, v in (("damp", args.damp), ("loss_weight", args.loss_weight),
                                            ("anchors", args.anchors), ("refits", args.refits),
                                            ("per_linear", _json_option(args.per_linear, "--per-linear")))

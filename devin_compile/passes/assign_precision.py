@@ -13,12 +13,14 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
 1. Each graph linear is mapped to the HF linears it computes (one, or several after
    ``fuse_projections``, which records them in ``node.meta["fused_weights"]``). Linears the
    result does not cover (lm_head, tied to the embedding in SmolLM2, unless it was quantized
-   with ``lm_head=True``) stay as they are; a fused linear covered only in part is a
+   with ``lm_head="int4"``) stay as they are; a fused linear covered only in part is a
    ``PassError``. A quantized head gets its own INT4 weight and no dense copy: it only sees the
    rows that need logits. An embedding tied to an INT4 head (without AWQ scales) reads the head's
    rows (``embedding(W, ids)`` → ``devin::int4_embedding(ids, qweight, scales_zeros, ..., col_scale)``,
    ``col_scale`` = 1 / AWQ's input scale of the head), so the dense table is released; an FP8 head
-   leaves the embedding on the dense table.
+   leaves the embedding on the dense table. An INT8 head (``lm_head="int8"``, the default; outside the
+   target) becomes ``devin::int8_linear`` and a tied embedding ``devin::int8_embedding`` of its operands
+   (:mod:`.quantized_head`).
 2. Sensitivity of a graph linear (:func:`~devin_compile.quant.quantize.sensitivity`): the
    estimated increase of the next-token loss when it alone is quantized,
    ``Σ ½ Σ_j fisher_j (ΔW H_g ΔWᵀ)_jj`` over its parts (``fisher``: the calibration's squared
@@ -60,25 +62,17 @@ from ..graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead
                            node_delta, param_of)
 from ..ops import dequant_tiles
 from ..ops import fp8_linear as fp8_op
-from ..ops import int4_embedding
 from ..ops import int4_linear as int4_op
-from ..ops import int8_linear as int8_op
 from ..ops.dense_copy import DenseCopyPolicy, dense_copy_policy
 from ..pipeline import Pass, PassContext, PassError, PassResult
 from ..quant.config import QuantConfig
 from ..quant.precision import Candidate, choose_tiers
 from ..quant.result import QuantResult, has_fp8, sensitivity
+from .quantized_head import embed_from_int4_head, hf_name, int8_head_to_op
 
 aten = torch.ops.aten
 SENSITIVITY_KINDS = {"loss": "estimated loss increase (output-gradient weighted)",
                      "relative": "relative output error (calibration has no output gradients)"}
-
-
-def hf_name(target: str) -> str:
-    """Graph attribute of a captured weight → HF module name (``m.model.layers.0.mlp.up_proj.weight``
-    → ``model.layers.0.mlp.up_proj``)."""
-    name = target[2:] if target.startswith("m.") else target
-    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 @dataclass(frozen=True)
@@ -128,7 +122,8 @@ class AssignPrecision(Pass):
             elif any(p.in_scale is not None or p.row_scale is not None for p in parts):
                 self._fold_awq(gm, i, c, parts)
             rows.append(_row(c, name, tier, parts, sens_kind, dtype))
-        head_row = self._to_int8_head(gm, device, dtype)
+        head_row, tied = int8_head_to_op(gm, self.result.int8_head, device, dtype)
+        self.tied_rows += tied
         self._apply_overrides(gm)
         eliminate_dead_code(gm)
         note = f"{self._note(cands, choice, rows, kernels, sens_kind, dense_bytes)}; {node_delta(gm, before)}"
@@ -139,7 +134,7 @@ class AssignPrecision(Pass):
         if self.tied_rows:
             note += f"; {self.tied_rows} tied embedding reads the {'INT8' if head_row else 'INT4'} head"
         ctx.outputs.precision_table, ctx.outputs.precision_note = rows, note
-        return PassResult(matches=choice.count("int4") + choice.count("fp8"), note=note,
+        return PassResult(matches=choice.count("int4") + choice.count("fp8") + (head_row is not None), note=note,
                           details=precision_table_markdown(rows))
 
     def _candidates(self, gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[Candidate]:
@@ -222,8 +217,8 @@ class AssignPrecision(Pass):
             new = add_call(gm.graph, torch.ops.devin.int4_linear.default,
                            (node.args[0], qw_node, sz_node, c.group_size, c.n, kernels.int4), kwargs, like=node)
         if head and parts[0].embedding_readable:
-            self.tied_rows += _embed_from_head(gm, i, param_of(gm, w_node), (qw_node, sz_node), parts[0], c,
-                                               kernels.int4, dtype)
+            self.tied_rows += embed_from_int4_head(gm, i, param_of(gm, w_node), (qw_node, sz_node), parts[0], c,
+                                                   kernels.int4, dtype)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         return c.fp_bytes if dense else 0
@@ -246,41 +241,6 @@ class AssignPrecision(Pass):
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         return c.fp_bytes if limit >= 0 and kernels.fp8_long == "dense" else 0
-
-    def _to_int8_head(self, gm, device: torch.device, dtype: torch.dtype) -> dict | None:
-        """The output head's ``linear`` → ``devin::int8_linear`` (``lm_head="int8"``), and the lookups of a
-        tied embedding → ``devin::int8_embedding`` of the same operands; its precision-table row (None
-        without an INT8 head)."""
-        head = self.result.int8_head
-        if head is None:
-            return None
-        nodes = [n for n in gm.graph.nodes if is_call(n, aten.linear.default) and n.args[1].op == "get_attr"
-                 and hf_name(n.args[1].target) == head.name]
-        if len(nodes) != 1:
-            raise PassError(f"assign_precision: the INT8 output head {head.name!r} is computed by {len(nodes)} graph "
-                            "linears, expected one; was the quantized model made for this model?")
-        node, w_node = nodes[0], nodes[0].args[1]
-        w = param_of(gm, w_node)
-        if tuple(w.shape) != tuple(head.dims):
-            raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the INT8 head "
-                            f"{head.name!r} has {head.dims}")
-        kernel = int8_op.default_kernel(device)
-        qw, sc = int8_op.prepare_operands(kernel, head.q, head.scale, device)
-        with gm.graph.inserting_before(node):
-            qw_node = add_constant(gm, "int8_head_qweight", qw, fake_like(w_node, qw))
-            sc_node = add_constant(gm, "int8_head_scale", sc, fake_like(w_node, sc))
-            new = add_call(gm.graph, torch.ops.devin.int8_linear.default,
-                           (node.args[0], qw_node, sc_node, head.dims[0], kernel), {"bias": linear_bias(node)},
-                           like=node)
-        self.tied_rows += _embed_from_int8_head(gm, w, (qw_node, sc_node), head.dims, kernel, dtype)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        fp_bytes = w.numel() * torch.empty((), dtype=dtype).element_size()
-        return {"linear": head.name, "graph_node": new.name, "precision": "int8", "bits": 8, "group_size": None,
-                "group_note": "", "sensitivity": head.loss_delta if head.loss_delta is not None else float("nan"),
-                "fp8_sensitivity": None, "sensitivity_kind": "loss" if head.loss_delta is not None else "",
-                "bytes": int8_op.int8_bytes(*head.dims), "params": w.numel(), "fp_bytes": fp_bytes,
-                "kernel": kernel}
 
     def _fold_awq(self, gm, i: int, c: Candidate, parts) -> None:
         """A linear kept in the model dtype reads AWQ's folded full-precision weight."""
@@ -385,59 +345,8 @@ def precision_table_markdown(rows: list[dict]) -> str:
              "|---|---|---:|---:|" + ("---:|" if fp8 else "") + "---:|"]
     for r in rows:
         g = "" if r["group_size"] is None else str(r["group_size"]) + (" *" if r["group_note"] else "")
-        s8 = f"{r['fp8_sensitivity']:.2e} | " if fp8 else ""
+        s8 = (f"{r['fp8_sensitivity']:.2e} | " if r.get("fp8_sensitivity") is not None else " | ") if fp8 else ""
         lines.append(f"| {r['linear']} | {r['precision']} | {g} | {r['sensitivity']:.2e} | {s8}{r['bytes']} |")
     notes = sorted({r["group_note"] for r in rows if r["group_note"]})
     lines.extend(f"\n\\* {n}" for n in notes)
     return "\n".join(lines)
-
-
-def _lookups_of(gm: torch.fx.GraphModule, w: torch.Tensor) -> list[torch.fx.Node]:
-    """The embedding lookups that read ``w`` (a tied head's dense weight)."""
-    # (embedding's other arguments, padding_idx and the gradient flags, do not change its forward)
-    return [n for n in gm.graph.nodes if is_call(n, aten.embedding.default) and param_of(gm, n.args[0]) is w]
-
-
-def _read_again(gm: torch.fx.GraphModule, consts) -> list[torch.fx.Node]:
-    """New ``get_attr`` nodes of ``consts`` at the insertion point (the head's constants, read where a lookup is)."""
-    here = []
-    for const in consts:
-        here.append(gm.graph.get_attr(const.target))
-        here[-1].meta["val"] = const.meta.get("val")
-    return here
-
-
-def _embed_from_int8_head(gm: torch.fx.GraphModule, w: torch.Tensor, consts: tuple, dims: tuple[int, int],
-                          kernel: str, dtype: torch.dtype) -> int:
-    """Embedding lookups of ``w`` (the INT8 head's dense weight, tied) → ``devin::int8_embedding`` of the head's
-    operands ``consts``, so the dense table is released; returns how many were rewritten."""
-    lookups = _lookups_of(gm, w)
-    for node in lookups:
-        with gm.graph.inserting_before(node):
-            new = add_call(gm.graph, torch.ops.devin.int8_embedding.default,
-                           (node.args[1], *_read_again(gm, consts), dims[0], dims[1], kernel, dtype), {}, like=node)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-    return len(lookups)
-
-
-def _embed_from_head(gm: torch.fx.GraphModule, i: int, w: torch.Tensor | None, consts: tuple, part,
-                     c: Candidate, kernel: str, dtype: torch.dtype) -> int:
-    """Embedding lookups of ``w`` (the head's dense weight, tied) → ``devin::int4_embedding`` of the head's INT4
-    operands ``consts`` (and AWQ's input scale undone per column), so the dense table is no longer read (and is
-    released); returns how many were rewritten."""
-    if w is None:
-        return 0
-    col = part.embedding_col_scale
-    if col is not None:
-        col_node = add_constant(gm, f"int4_{i}_embedding_col_scale", col.to(w.device), fake_like(consts[0], col))
-        consts = (*consts, col_node)
-    lookups = _lookups_of(gm, w)
-    for node in lookups:
-        with gm.graph.inserting_before(node):
-            here = _read_again(gm, consts)
-            new = add_call(gm.graph, torch.ops.devin.int4_embedding.default,
-                           (node.args[1], *here[:2], c.group_size, c.n, c.k, kernel, dtype, *here[2:]), {}, like=node)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-    return len(lookups)

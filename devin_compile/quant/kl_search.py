@@ -32,7 +32,11 @@ def resolve_max_kl(model: torch.nn.Module, result: QuantResult, chunks, max_kl: 
             hi = mid
         else:
             lo = mid + 1
-    kl = measured.get(lo, 0.0 if lo == len(groups) else kl_keeping(lo))
-    result.notes.append(f"target max_kl={max_kl}: keep_fp={lo} of {len(groups)} linear groups "
-                        f"(KL {kl:.4f} on {len(chunks)} calibration chunks)")
+    head8 = result.int8_head is not None  # an INT8 output head is outside the target: its KL stays
+    kl = measured[lo] if lo in measured else 0.0 if lo == len(groups) and not head8 else kl_keeping(lo)
+    note = (f"target max_kl={max_kl}: keep_fp={lo} of {len(groups)} linear groups "
+            f"(KL {kl:.4f} on {len(chunks)} calibration chunks)")
+    if kl > max_kl:
+        note += "; the INT8 output head alone exceeds it: lm_head=False keeps the head in the model dtype"
+    result.notes.append(note)
     return {"kind": "keep_fp", "value": lo}
