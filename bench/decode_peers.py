@@ -6,8 +6,10 @@
 Engines (SmolLM2-135M, greedy, EOS ignored, 32-token prompt, same torch threads):
   devin bf16          optimize() defaults on the bf16 model;
   devin INT4 g32      the bf16 model with INT4 weights, RTN at group 32 (the blocks of the shipped Q4_1 GGUF,
-                      whose dequantized weights the model is), output head in bf16 (the default);
-  devin INT4 g32 +head  the same with the (tied) output head in INT4 too (``lm_head``);
+                      whose dequantized weights the model is), the (tied) output head in INT8 (the default,
+                      ``lm_head="int8"``; the GGUF's head is Q8_0: the like-for-like row);
+  devin INT4 g32 bf16 head  the same with the head kept in bf16 (``lm_head=False``);
+  devin INT4 g32 +head  the same with the head in INT4 too (``lm_head="int4"``);
   ... (base)          the same built with ``--base`` options (a before/after of a change in one run);
   HF eager bf16/fp32  ``generate`` on the model in both dtypes (its best one is the peer);
   llama.cpp Q4_1/F16/BF16  llama-cpp-python on GGUF exports of the same weights (bench/gguf_export.py,
@@ -57,7 +59,8 @@ def hf_round(model, ids: list[int], new_tokens: int):
 
 def peer_ratios(rate: dict[str, float]) -> dict[str, float]:
     """devin / llama.cpp decode rates at like precision, for the pairs this run timed."""
-    pairs = [("devin INT4 g32", "llama.cpp Q4_1"), ("devin INT4 g32 +head", "llama.cpp Q4_1"),
+    pairs = [("devin INT4 g32", "llama.cpp Q4_1"), ("devin INT4 g32 bf16 head", "llama.cpp Q4_1"),
+             ("devin INT4 g32 +head", "llama.cpp Q4_1"),
              ("devin bf16", "llama.cpp BF16"), ("devin bf16", "llama.cpp F16")]
     return {f"{a} / {b}": rate[a] / rate[b] for a, b in pairs if a in rate and b in rate}
 
@@ -78,7 +81,8 @@ def main() -> None:
     ids = tok(open(TEXT).read()[:400], add_special_tokens=False)["input_ids"][:32]
     variants = [("devin bf16", {})] + ([] if args.no_int4 else [
         ("devin INT4 g32", {"quantization": INT4}),
-        ("devin INT4 g32 +head", {"quantization": {**INT4, "lm_head": True}})])
+        ("devin INT4 g32 bf16 head", {"quantization": {**INT4, "lm_head": False}}),
+        ("devin INT4 g32 +head", {"quantization": {**INT4, "lm_head": "int4"}})])
     opts, nbytes = {}, {}
     for name, kw in variants:
         for label, extra in ([(f"{name} (base)", base)] if base else []) + [(name, {})]:

@@ -11,8 +11,10 @@ and the compiler's own caches paid, no SmolLM2 weights): RSS over it is what Smo
 cost. Each row also gives the bytes of the tensors reachable from the ``OptimizedModel``
 (:func:`devin_compile.weights.held_tensors`, KV pool left out), the weights as the program holds them.
 
-Modes: ``dense`` (no quantization), ``int4`` (RTN g64, every decoder linear), ``int4_head`` (the same
-and the output head, which a tied embedding then reads: ``devin::int4_embedding``), ``fp8`` (every
+Modes: ``dense`` (no quantization), ``int4`` (RTN g64, every decoder linear, and the default INT8 output
+head, which a tied embedding then reads: ``devin::int8_embedding``), ``int4_fphead`` (the same with the head
+kept in the model dtype, ``lm_head=False``), ``int4_head`` (the head in INT4 too, read by the tied embedding
+through ``devin::int4_embedding``), ``fp8`` (every
 decoder linear), ``mix`` (the three-tier knapsack at half the decoder linears' bf16 bytes: a
 ``memory_fraction`` of 0.5 in bf16, 0.25 in float32),
 all from one RTN artifact with both tiers, made once (calibrated on 2 x 128 tokens of the shipped
@@ -38,7 +40,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PROMPT_TOKENS = 512
-MODES = ("dense", "int4", "int4_head", "fp8", "mix")
+MODES = ("dense", "int4", "int4_fphead", "int4_head", "fp8", "mix")
+HEADS = {"int4_fphead": ("-fphead", False), "int4_head": ("-head", "int4")}  # mode → (artifact suffix, lm_head)
 
 
 def quant_options(mode: str, art: str, dtype: str, **extra) -> dict:
@@ -46,10 +49,11 @@ def quant_options(mode: str, art: str, dtype: str, **extra) -> dict:
     if mode == "dense":
         return {}
     fraction = 0.25 if dtype == "float32" else 0.5  # half the bf16 bytes either way
-    q = {"int4": {"tiers": "int4"}, "int4_head": {"tiers": "int4"}, "fp8": {"tiers": "fp8"},
+    q = {"int4": {"tiers": "int4"}, "int4_fphead": {"tiers": "int4"}, "int4_head": {"tiers": "int4"},
+         "fp8": {"tiers": "fp8"},
          "mix": {"tiers": "int4,fp8", "target": {"memory_fraction": fraction}}}[mode]
-    if mode == "int4_head":
-        art = art + "-head"
+    if mode in HEADS:
+        art = art + HEADS[mode][0]
     return {"quantized": art, "quantization": {**q, **extra}}
 
 
@@ -150,22 +154,23 @@ def run_child(kind: str, task: dict) -> dict:
 
 
 def make_artifact() -> str:
-    """The RTN g64 artifact with INT4 and FP8 weights (made once, cached)."""
+    """The RTN g64 artifacts with INT4 and FP8 weights, one per output head (the default INT8 head, and the
+    :data:`HEADS` variants), made once and cached; returns the default one's folder."""
     import torch
 
     from devin_compile import quant
     from devin_compile.models import load_model
 
     cache = Path(os.environ.get("DEVIN_COMPILE_CACHE", Path.home() / ".cache" / "devin_compile"))
-    out = cache / "bench-memory" / "smollm2-rtn-g64-int4-fp8"
-    head = out.with_name(out.name + "-head")  # the same, with the output head in INT4 too (mode int4_head)
-    if (out / "quant_config.json").exists() and (head / "quant_config.json").exists():
+    out = cache / "bench-memory" / "smollm2-rtn-g64-int4-fp8-int8head"
+    folders = {out: "int8", **{out.with_name(out.name + suffix): head for suffix, head in HEADS.values()}}
+    if all((f / "quant_config.json").exists() for f in folders):
         return str(out)
     model, tok = load_model(None, torch.float32)
     stats = quant.calibrate(model, tok, num_chunks=2, chunk_len=128, progress=False)
-    quant.save(quant.quantize(model, stats, method="rtn", group_size=64, tiers="int4,fp8", progress=False), out)
-    quant.save(quant.quantize(model, stats, method="rtn", group_size=64, tiers="int4,fp8", lm_head=True,
-                              progress=False), head)
+    for folder, head in folders.items():
+        quant.save(quant.quantize(model, stats, method="rtn", group_size=64, tiers="int4,fp8", lm_head=head,
+                                  progress=False), folder)
     return str(out)
 
 

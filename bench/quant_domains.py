@@ -1,6 +1,7 @@
 """INT4 quality on text the calibration never saw: perplexity change per held-out domain.
 
     python bench/quant_domains.py [--calib shipped|shakespeare ...] [--methods rtn awq gptq] [--group-size 64]
+                                  [--lm-heads int8 int4 none]
                                   [--eval-chunks 4] [--domains legal ...] [--variants '{"damp": 0.1}' ...] [--out bench/results/quant-domains.json]
     python bench/quant_domains.py --three-tier --methods gptq awq [--memory-fraction 0.5] [--eval-chunks 2]
                                   [--out bench/results/quant-three-tier.json]
@@ -16,7 +17,8 @@ tokens from the end of each domain's text, all of it kept out of the shipped cal
 - ``changelog``: Debian changelogs of a dozen packages (/usr/share/doc/*/changelog.Debian.gz);
 - ``build-docs``: CMake's reference manual (/usr/share/cmake-*/Help/manual/*.rst).
 
-For each calibration and method at ``--group-size``: perplexity increase against the
+For each calibration, method and output-head precision (``--lm-heads``: the default INT8 head, an INT4
+one, or ``none``, kept in fp32) at ``--group-size``: perplexity increase against the
 unquantized model, KL(ref ‖ quant) over the vocabulary and top-1 agreement per domain, and
 their mean over legal, changelog and build-docs (genres neither calibration holds; those ``--domains`` keeps). Then mixed precision at
 ``int4_fraction=0.8`` on the GPTQ result: the linears ``assign_precision`` keeps by estimated
@@ -169,6 +171,9 @@ def main() -> int:
                     help="evaluate only these held-out domains (default: every one found on this machine)")
     ap.add_argument("--calib-chunks", type=int, default=16)
     ap.add_argument("--variants", nargs="*", default=[], help="extra GPTQ option dicts (JSON) to try")
+    ap.add_argument("--lm-heads", nargs="+", default=["int8"], choices=["int8", "int4", "none"],
+                    help="the output head's precision per row (quantization lm_head: int8 the default, int4, none = "
+                         "kept in fp32); each method is quantized once per head")
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--three-tier", action="store_true",
                     help="only the three-tier (INT4+FP8+bf16) vs two-tier (INT4+bf16) comparison at --memory-fraction")
@@ -233,11 +238,12 @@ def main() -> int:
             configs += [(f"gptq {v}", {"method": "gptq", **json.loads(v)}) for v in args.variants]
         else:
             configs = [("gptq damp=0.01 (old)", {"method": "gptq", "damp": 0.01})]
-        for label, opts in configs:
+        for (label, opts), head in ((c, h) for c in configs for h in args.lm_heads):
             t0 = time.perf_counter()
+            opts = {**opts, "lm_head": False if head == "none" else head}
             res = quant.quantize(model, stats, progress=False, group_size=args.group_size, **opts)
             secs = time.perf_counter() - t0
-            row = evaluate(f"{label} g{args.group_size} all INT4", calib, res,
+            row = evaluate(f"{label} g{args.group_size} all INT4, head {head}", calib, res,
                            extra={"options": opts, "quantize_seconds": secs, "calibration_seconds": calib_s})
             if label == "gptq" and calib == "shipped" and not args.no_mixed:
                 ranked, blind = mixed_sets(res, 0.8)

@@ -54,8 +54,10 @@ def test_calibrate_run_validate_on_smollm2(tmp_path, capsys):
     rep = json.loads((q / "validate.json").read_text())
     quality = rep["quality"]
     assert quality["tokens"] == 2 * 127 and 0 < quality["kl"] < 2 and 0.3 < quality["top1"] <= 1
-    assert len(rep["layers"]) == 120 and all(r["precision"] == "int4" for r in rep["layers"])
-    assert {r["group_size"] for r in rep["layers"]} == {64, 128}  # down_proj's K=1536 takes 128
+    *layers, head = rep["layers"]  # the decoder linears, then the output head (INT8 by default)
+    assert len(layers) == 120 and all(r["precision"] == "int4" for r in layers)
+    assert (head["linear"], head["precision"]) == ("lm_head", "int8")
+    assert {r["group_size"] for r in layers} == {64, 128}  # down_proj's K=1536 takes 128
     assert rep["int4_bytes_total"] < rep["fp_bytes_total"] / 5
     assert 0 <= quality["top1_chunk_se"] < 0.5
     assert (q / "validate.md").read_text().startswith("# Validation of")

@@ -197,7 +197,8 @@ def validation_markdown(rep: dict) -> str:
              f"| KL(ref ‖ quant), mean per token | {q['kl']:.4f} |",
              f"| top-1 agreement | {q['top1']:.2%} |",
              f"| top-1, standard error over chunks | {q['top1_chunk_se']:.2%} |",
-             f"| decoder-linear weight bytes | {rep['int4_bytes_total']} (vs {rep['fp_bytes_total']} unquantized) |",
+             f"| weight bytes of the table's linears (decoder linears, output head) | {rep['int4_bytes_total']} (vs "
+             f"{rep['fp_bytes_total']} unquantized) |",
              "| linears per precision | " + ", ".join(f"{p} {n}" for p, n in rep.get("precision_counts", {}).items())
              + " |",
              "", rep["pass_note"], "", precision_table_markdown(rep["layers"])]

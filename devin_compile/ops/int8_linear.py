@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.int8 import kernels
+from ..backends.int8.format import int8_bytes  # noqa: F401  (re-exported for passes)
 
 _lib = torch.library.Library("devin", "FRAGMENT")
 _lib.define("int8_linear(Tensor x, Tensor qweight, Tensor scale, int out_features, str kernel, "

@@ -20,7 +20,6 @@ from ..graph_utils import add_call, add_constant, fake_like, is_call, linear_bia
 from ..ops import int4_embedding  # noqa: F401  (registers devin::int4_embedding)
 from ..ops import int8_embedding  # noqa: F401  (registers devin::int8_embedding)
 from ..ops import int8_linear as int8_op
-from ..backends.int8.format import int8_bytes
 from ..pipeline import PassError
 from ..quant.precision import Candidate
 from ..quant.result import Int8Head
@@ -67,7 +66,7 @@ def int8_head_to_op(gm: torch.fx.GraphModule, head: Int8Head | None, device: tor
     row = {"linear": head.name, "graph_node": new.name, "precision": "int8", "bits": 8, "group_size": None,
             "group_note": "", "sensitivity": head.loss_delta if head.loss_delta is not None else float("nan"),
             "fp8_sensitivity": None, "sensitivity_kind": "loss" if head.loss_delta is not None else "",
-            "bytes": int8_bytes(*head.dims), "params": w.numel(), "fp_bytes": fp_bytes,
+            "bytes": int8_op.int8_bytes(*head.dims), "params": w.numel(), "fp_bytes": fp_bytes,
            "kernel": kernel}
     return row, tied
 
