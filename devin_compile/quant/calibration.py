@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ import torch
 from .corpus import (calibration_and_eval_chunks, load_token_stream,  # noqa: F401  (re-exported)
                      token_chunks)
 from .progress import Progress, ProgressArg
-from .stats_format import decode_psd, encode_psd
+from .stats_format import decode_psd, encode_psd, from_upper_triangle, upper_triangle
 
 STATS_FILE = "stats.safetensors"
 META_FILE = "calib.json"
@@ -395,48 +396,34 @@ class StatsCollector:
         self._start = out.detach().requires_grad_(True)
         return self._start
 
-    def checkpoint(self, path: Path, run: str, chunks_done: int, seconds: float) -> None:
-        """Write the running sums after ``chunks_done`` chunks to ``path`` atomically (a temporary
-        file renamed over it), tagged with the run key ``run`` (:func:`run_key`)."""
-        from safetensors.torch import save_file
-
-        groups = {"hessian": self.hessian, "absmean": self.absmean, "grad_sq": self.grad_sq,
-                  "grad_gram": self.grad_gram}
-        tensors = {f"{g}/{k}": v.detach().cpu().contiguous() for g, d in groups.items() for k, v in d.items()}
+    def checkpoint_state(self, run: str, chunks_done: int, seconds: float) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, state) of the running sums after ``chunks_done`` chunks, tagged with the run key
+        ``run`` (:func:`run_key`). Grams keep their upper triangle only (all that
+        :func:`symmetric_from_upper` reads), exact fp32 copies."""
+        tensors = {f"hessian/{k}": upper_triangle(v.detach().cpu(), 0) for k, v in self.hessian.items()}
+        tensors.update({f"grad_gram/{k}": upper_triangle(v.detach().cpu(), 0) for k, v in self.grad_gram.items()})
+        tensors.update({f"absmean/{k}": v.detach().cpu().clone() for k, v in self.absmean.items()})
+        tensors.update({f"grad_sq/{k}": v.detach().cpu().clone() for k, v in self.grad_sq.items()})
         state = {"run": run, "chunks_done": chunks_done, "seconds": seconds, "tokens": self.tokens,
                  "grad_positions": self.grad_positions, "linear_input": self.linear_input,
                  "producer": self.producer, "grad_weight": self.grad_weight,
-                 "order": {g: list(d) for g, d in groups.items()}}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"calibration_checkpoint": json.dumps(state)})
-        os.replace(tmp, path)
+                 "order": {"hessian": list(self.hessian), "grad_gram": list(self.grad_gram),
+                           "absmean": list(self.absmean), "grad_sq": list(self.grad_sq)}}
+        return tensors, state
 
-    def resume(self, path: Path, run: str, device: torch.device) -> tuple[int, float]:
-        """Load the running sums of checkpoint ``path`` when it belongs to run ``run``: returns
-        (chunks done, seconds spent). Any other checkpoint is ignored with a warning: (0, 0.0)."""
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                state = json.loads(f.metadata()["calibration_checkpoint"])
-                if state.get("run") != run:
-                    warnings.warn(f"ignoring calibration checkpoint {path}: it was made by a different run (model, "
-                                  "calibration tokens or output gradients differ); calibrating from the start",
-                                  stacklevel=3)
-                    return 0, 0.0
-                groups = {g: {k: f.get_tensor(f"{g}/{k}").to(device) for k in keys}
-                          for g, keys in state["order"].items()}
-        except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-            warnings.warn(f"ignoring calibration checkpoint {path}: it cannot be read ({e}); calibrating from the "
-                          "start", stacklevel=3)
-            return 0, 0.0
-        self.hessian, self.absmean = groups["hessian"], groups["absmean"]
-        self.grad_sq, self.grad_gram = groups["grad_sq"], groups["grad_gram"]
+    def restore(self, tensors: dict[str, torch.Tensor], state: dict, device: torch.device) -> None:
+        """Continue from :meth:`checkpoint_state`'s ``tensors`` and ``state``."""
+        order = state["order"]
+        dims = {k: tensors[f"absmean/{k}"].numel() for k in order["absmean"]}
+        self.hessian = {k: from_upper_triangle(tensors[f"hessian/{k}"], dims[k], 0).to(device)
+                        for k in order["hessian"]}
+        self.grad_gram = {k: from_upper_triangle(tensors[f"grad_gram/{k}"], dims[k], 0).to(device)
+                          for k in order["grad_gram"]}
+        self.absmean = {k: tensors[f"absmean/{k}"].to(device) for k in order["absmean"]}
+        self.grad_sq = {k: tensors[f"grad_sq/{k}"].to(device) for k in order["grad_sq"]}
         self.tokens, self.grad_positions = state["tokens"], state["grad_positions"]
         self.linear_input, self.producer = state["linear_input"], state["producer"]
         self.grad_weight = state["grad_weight"]
-        return state["chunks_done"], state["seconds"]
 
     def finish(self, *, num_chunks: int, chunk_len: int, fingerprint: dict, seconds: float,
                data: str) -> CalibrationStats:
@@ -465,6 +452,46 @@ def run_key(fingerprint: dict, chunks: Sequence[torch.Tensor], gradients: bool) 
     return h.hexdigest()
 
 
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], state: dict) -> threading.Thread:
+    """Serialize a checkpoint (safetensors, ``state`` as JSON metadata) now and write it to ``path``
+    atomically (a temporary file renamed over it) in a started background thread, so calibration
+    goes on while the disk works (the write releases the GIL); join the thread before the next."""
+    from safetensors.torch import save
+
+    data = save(tensors, metadata={"calibration_checkpoint": json.dumps(state)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+
+    def write() -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    thread = threading.Thread(target=write, name="calibration-checkpoint", daemon=False)
+    thread.start()
+    return thread
+
+
+def read_checkpoint(path: Path, run: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """(tensors, state) of the checkpoint at ``path`` when it belongs to run ``run``; otherwise
+    None, after a warning saying why it is ignored."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            state = json.loads((f.metadata() or {})["calibration_checkpoint"])
+            if state.get("run") != run:
+                warnings.warn(f"ignoring calibration checkpoint {path}: it was made by a different run (model, "
+                              "calibration tokens or output gradients differ); calibrating from the start",
+                              stacklevel=3)
+                return None
+            return {k: f.get_tensor(k) for k in f.keys()}, state
+    except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        warnings.warn(f"ignoring calibration checkpoint {path}: it cannot be read ({e}); calibrating from the start",
+                      stacklevel=3)
+        return None
+
+
 def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
                   progress: ProgressArg = True, data: str = "", fisher: bool = True,
                   checkpoint_dir: str | os.PathLike | None = None,
@@ -487,22 +514,32 @@ def collect_stats(model: torch.nn.Module, chunks: Sequence[torch.Tensor], *,
     fingerprint = model_fingerprint(model)
     ckpt = None if checkpoint_dir is None else Path(checkpoint_dir) / CHECKPOINT_FILE
     run = run_key(fingerprint, chunks, collector.gradients) if ckpt is not None else ""
-    start, before = collector.resume(ckpt, run, device) if ckpt is not None and ckpt.exists() else (0, 0.0)
+    start, before = 0, 0.0
+    saved = read_checkpoint(ckpt, run) if ckpt is not None and ckpt.exists() else None
+    if saved is not None:
+        collector.restore(*saved, device)
+        start, before = saved[1]["chunks_done"], saved[1]["seconds"]
+        del saved
     bar = Progress(progress, len(chunks), f"calibrating ({len(chunks)} x {chunk_len} tokens)")
     if start:
         bar.update(start, "resumed from checkpoint")
-    last = time.perf_counter()
+    last, writing = time.perf_counter(), None
     try:
         collector.attach()
         with torch.set_grad_enabled(collector.gradients):
             for i in range(start, len(chunks)):
                 collector.run_chunk(model, chunks[i].reshape(1, -1).to(device))
                 if ckpt is not None and i + 1 < len(chunks) and time.perf_counter() - last >= checkpoint_every:
-                    collector.checkpoint(ckpt, run, i + 1, before + time.perf_counter() - t0)
+                    if writing is not None:
+                        writing.join()
+                    writing = write_checkpoint(ckpt, *collector.checkpoint_state(
+                        run, i + 1, before + time.perf_counter() - t0))
                     last = time.perf_counter()
                 bar.update(i + 1)
     finally:
         collector.detach()
+        if writing is not None:
+            writing.join()
     stats = collector.finish(num_chunks=len(chunks), chunk_len=chunk_len, fingerprint=fingerprint,
                              seconds=before + time.perf_counter() - t0, data=data)
     if ckpt is not None:

@@ -36,10 +36,25 @@ def stored_bytes(k: int, bits: int) -> int:
     return 4 * k + packed_bytes(k * (k - 1) // 2, bits)
 
 
-def _upper(m: torch.Tensor) -> torch.Tensor:
-    """The strict upper triangle of the square ``m``, row by row, as one vector."""
+def upper_triangle(m: torch.Tensor, offset: int = 1) -> torch.Tensor:
+    """The entries of the square ``m`` at and right of diagonal ``offset`` (1: strictly upper),
+    row by row, as one vector."""
     k = m.shape[0]
-    return torch.cat([m[r, r + 1:] for r in range(k - 1)]) if k > 1 else m.new_zeros(0)
+    rows = [m[r, r + offset:] for r in range(max(0, k - offset))]
+    return torch.cat(rows) if rows else m.new_zeros(0)
+
+
+def from_upper_triangle(vec: torch.Tensor, k: int, offset: int = 1) -> torch.Tensor:
+    """The [k, k] matrix with :func:`upper_triangle` ``vec`` in place and zeros elsewhere."""
+    out = vec.new_zeros(k, k)
+    pos = 0
+    for r in range(max(0, k - offset)):
+        n = k - r - offset
+        out[r, r + offset:] = vec[pos:pos + n]
+        pos += n
+    if pos != vec.numel():
+        raise ValueError(f"{vec.numel()} values do not fill the triangle of a {k} x {k} matrix at offset {offset}")
+    return out
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -84,7 +99,7 @@ def encode_psd(h: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     corr = h * (inv[:, None] * inv[None, :])
     codes = corr.clamp_(-1.0, 1.0).mul_(lv).round_().to(torch.int32).add_(lv)
-    return diag, pack_bits(_upper(codes), bits)
+    return diag, pack_bits(upper_triangle(codes), bits)
 
 
 def decode_psd(diag: torch.Tensor, packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -92,11 +107,7 @@ def decode_psd(diag: torch.Tensor, packed: torch.Tensor, bits: int) -> torch.Ten
     lv = levels(bits)
     k = diag.numel()
     vals = (unpack_bits(packed, bits, k * (k - 1) // 2) - lv).float().div_(lv)
-    corr = torch.zeros(k, k)
-    off = 0
-    for r in range(k - 1):
-        corr[r, r + 1:] = vals[off:off + k - 1 - r]
-        off += k - 1 - r
+    corr = from_upper_triangle(vals, k)
     corr += corr.t().clone()
     s = diag.float().clamp(min=0).sqrt()
     out = corr.mul_(s[:, None] * s[None, :])
