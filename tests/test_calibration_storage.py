@@ -29,6 +29,17 @@ def test_bit_packing_round_trips(bits, count, seed):
     assert torch.equal(sf.unpack_bits(packed, bits, count), codes.to(torch.int32))
 
 
+@pytest.mark.parametrize("k", [0, 1, 2, 7])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_upper_triangle_round_trips(k, offset):
+    m = torch.randn(k, k, generator=torch.Generator().manual_seed(k))
+    vec = sf.upper_triangle(m, offset)
+    assert vec.numel() == k * (k + 1) // 2 - offset * k
+    assert torch.equal(sf.from_upper_triangle(vec, k, offset), torch.triu(m, offset))
+    with pytest.raises(ValueError, match="do not fill the triangle"):
+        sf.from_upper_triangle(torch.zeros(vec.numel() + 1), k, offset)
+
+
 def test_psd_encoding_error_bound_and_exact_diagonal():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(300, 40, generator=gen) @ torch.randn(40, 40, generator=gen)

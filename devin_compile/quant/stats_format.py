@@ -46,15 +46,11 @@ def upper_triangle(m: torch.Tensor, offset: int = 1) -> torch.Tensor:
 
 def from_upper_triangle(vec: torch.Tensor, k: int, offset: int = 1) -> torch.Tensor:
     """The [k, k] matrix with :func:`upper_triangle` ``vec`` in place and zeros elsewhere."""
-    out = vec.new_zeros(k, k)
-    pos = 0
-    for r in range(max(0, k - offset)):
-        n = k - r - offset
-        out[r, r + offset:] = vec[pos:pos + n]
-        pos += n
-    if pos != vec.numel():
+    mask = torch.ones(k, k, dtype=torch.bool).triu_(offset)
+    n = int(mask.sum())
+    if vec.numel() != n:
         raise ValueError(f"{vec.numel()} values do not fill the triangle of a {k} x {k} matrix at offset {offset}")
-    return out
+    return vec.new_zeros(k, k).masked_scatter_(mask, vec)  # row-major, as upper_triangle reads it
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
