@@ -47,7 +47,9 @@ def _add_data_arguments(s, chunks: int) -> None:
 def _add_calibrate_arguments(c) -> None:
     common.add_model_arguments(c, uses_attention=False)
     _add_data_arguments(c, 16)
-    c.add_argument("--out", required=True, metavar="DIR", help="directory for stats.safetensors + calib.json")
+    c.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for stats.safetensors + calib.json; an interrupted run leaves a checkpoint there "
+                        "that the same command resumes from")
     c.add_argument("--no-output-gradients", action="store_true",
                    help="skip the backward pass that gathers output-gradient statistics (mixed precision then ranks "
                         "linears by relative output error instead of estimated loss increase)")
@@ -124,11 +126,12 @@ def calibrate(args) -> int:
     chunks = calibration.token_chunks(stream, args.chunks, args.chunk_len)
     with Bars(con, args.quiet) as bars:
         stats = calibration.collect_stats(model, chunks, data=corpus.data_label(args.data), progress=bars.progress,
-                                          fisher=not args.no_output_gradients)
-    stats.save(args.out)
+                                          fisher=not args.no_output_gradients, checkpoint_dir=args.out)
+    size = stats.save(args.out)
     grads = ", output gradients" if stats.fisher else ", no output gradients"
     con.print(f"calibration statistics of {len(stats.linear_input)} linears ({len(stats.hessian)} distinct inputs"
-              f"{grads}, {stats.tokens} tokens) in {stats.seconds:.1f} s → {args.out}")
+              f"{grads}, {stats.tokens} tokens) in {stats.seconds:.1f} s → {args.out} ({calibration.STATS_FILE}: "
+              f"{size} bytes, {size / 1e6:.1f} MB)")
     return 0
 
 
