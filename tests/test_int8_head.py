@@ -63,6 +63,15 @@ def test_linear_equals_the_dequantized_product(kernel, n, k, dtype):
 
 
 @pytest.mark.parametrize("kernel", _kernels())
+def test_prepared_operands_share_no_storage_with_the_inputs(kernel):
+    """A view of a memory-mapped artifact's tensor would keep the whole mapping resident."""
+    q, scale = int8_fmt.quantize(torch.randn(8, 64))
+    qw, sc = kernels.prepare(kernel, q, scale, CPU)
+    assert qw.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+    assert sc.untyped_storage().data_ptr() != scale.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("kernel", _kernels())
 def test_embedding_rows_equal_the_dequantized_weight(kernel):
     torch.manual_seed(1)
     n, k = 51, 96

@@ -33,12 +33,13 @@ def check_kernel(kernel: str, device: torch.device) -> None:
 
 def prepare(kernel: str, q: torch.Tensor, scale: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(qweight, scale) for ``kernel`` on ``device``: int8 [N, K] ("reference") or uint8 in the pair
-    layout ("cpu_c"), and float32 [N] row scales."""
+    layout ("cpu_c"), and float32 [N] row scales; new tensors, sharing no storage with ``q`` and ``scale``."""
     check_kernel(kernel, device)
-    qw = q.view(torch.int8).contiguous()
-    if kernel == "cpu_c":
-        qw = cpu_fp8_linear.pack(qw.view(torch.uint8))
-    return qw.to(device), scale.float().contiguous().to(device)
+    # own copies, never views of the inputs: a tensor read from a memory-mapped artifact would keep the whole
+    # mapping resident (every page loading touched) for the model's life
+    qw = q.view(torch.int8)
+    qw = cpu_fp8_linear.pack(qw.view(torch.uint8)) if kernel == "cpu_c" else qw.clone(memory_format=torch.contiguous_format)
+    return qw.to(device), scale.to(device=device, dtype=torch.float32, copy=True).contiguous()
 
 
 def run(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_features: int, kernel: str,
