@@ -68,8 +68,8 @@ def test_run_quantized_prints_the_table_and_runs_the_artifact(made, monkeypatch,
         (q / "quant_config.json").read_text())["fingerprint"]
     assert "06 assign_precision" in out and "| int4 |" not in out  # rendered, not raw markdown
     rows = [line for line in out.splitlines() if "model.layers." in line and " int4 " in line]
-    assert len(rows) == len(opt.precision_table) == 8  # 2 layers x (qkv, o, gate+up, down)
-    assert f"quantized weights (artifact {q}: rtn, g32, calibrated on 128 tokens): 8 int4 linears" in out
+    assert len(rows) == len(opt.precision_table) - 1 == 8  # 2 layers x (qkv, o, gate+up, down), + the INT8 head
+    assert f"quantized weights (artifact {q}: rtn, g32, calibrated on 128 tokens): 8 int4, 1 int8 linears" in out
     # the same weights as Python's optimize(quantized=...): the same greedy text
     ref = tiny_chat_opt(quantized=str(q))
     tok = smollm2_tokenizer()
@@ -145,7 +145,7 @@ def test_run_quantize_on_the_fly(tmp_path, capsys):
     assert "(devin-compile runs quantized weights)" in " ".join(out.split())
     assert "calibrating (16 x 512 tokens): 16/16 (100%), done in " in out
     assert "RTN INT4 g64: 14/14 (100%), done in " in out
-    assert "quantized weights (quantized at start: rtn, g64, calibrated on 8192 tokens): 8 int4 linears" in out
+    assert "quantized weights (quantized at start: rtn, g64, calibrated on 8192 tokens): 8 int4, 1 int8 linears" in out
 
 
 def test_quantize_run_without_calib_calibrates_on_the_shipped_set(tmp_path, capsys):

@@ -35,6 +35,7 @@ import torch
 from ..capture import ModelInfo
 from ..ops.cpu_kernels import load_for_graphs
 from ..ops.onednn_linear import PREPACK_HINT, prepack_weight
+from ..ops.upcast_linear import LeafTracer
 from ..pipeline import Program
 
 PROGRAM_FILE = "program.pkl"
@@ -58,8 +59,12 @@ class Compiled:
 
 
 def _clean(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The same code over only the attributes its graph reads (no hooks export installed)."""
-    return torch.fx.GraphModule(gm, gm.graph, type(gm).__name__)
+    """The same code over only the attributes its graph reads (no hooks export installed), and the tracer
+    FX re-traces it with when unpickled where a pass set one (``upcast_linear``'s leaf tracer)."""
+    out = torch.fx.GraphModule(gm, gm.graph, type(gm).__name__)
+    if getattr(gm, "_tracer_cls", None) is LeafTracer:  # (export's own tracer is not one FX can rebuild)
+        out._tracer_cls = LeafTracer
+    return out
 
 
 def _model_tensors(model: torch.nn.Module) -> dict[tuple, tuple[str, torch.Tensor]]:

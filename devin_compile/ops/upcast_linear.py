@@ -22,7 +22,10 @@ only the summation order differs.
 
 A plain function, not a ``devin::`` op: it is called ~120 times per step, and a Python custom
 op's dispatch costs ~20 µs a call here against ~0.5 µs for a function call in the FX code.
-Graphs that hold it are not traced further (``compile_decode`` keeps the decode graph dense).
+Graphs that hold it are not traced further (``compile_decode`` keeps the decode graph dense), except
+by FX when the compile cache unpickles them: FX re-traces the graph's code, and :class:`LeafTracer`
+(set on such graphs by the ``upcast_linear`` pass) keeps the function one call instead of tracing into
+its branch on the row count.
 """
 from __future__ import annotations
 
@@ -45,3 +48,12 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         b = None if bias is None else bias[i:i + CHUNK_ROWS].float()
         out[:, i:i + CHUNK_ROWS] = F.linear(xf, weight[i:i + CHUNK_ROWS].float(), b)
     return out.view(*x.shape[:-1], n)
+
+
+class LeafTracer(torch.fx.Tracer):
+    """The tracer FX runs when it unpickles a graph that calls :func:`upcast_linear` (``graph._tracer_cls``):
+    the function stays a leaf ``call_function`` node (its branch on the row count cannot be traced)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("autowrap_functions", (upcast_linear,))
+        super().__init__(*args, **kwargs)

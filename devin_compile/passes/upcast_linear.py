@@ -19,7 +19,7 @@ import torch.fx
 
 from ..graph_utils import cpu_linears, swap_call
 from ..ops.onednn_linear import onednn_supports
-from ..ops.upcast_linear import upcast_linear
+from ..ops.upcast_linear import LeafTracer, upcast_linear
 from ..pipeline import Pass, PassContext, PassResult, Program
 
 MIN_ROWS = 8  # measured crossover on this CPU: equal at 4 rows, 1.7x (layers) / 1.8x (lm_head) at 8
@@ -49,4 +49,6 @@ class UpcastLinear(Pass):
         for node, _w, bias in cpu_linears(gm, (torch.bfloat16, torch.float16)):
             swap_call(graph, node, upcast_linear, (node.args[0], node.args[1], bias, self.min_rows))
             count += 1
+        if count:  # the compile cache unpickles the graph, and FX re-traces it: keep the call a leaf
+            graph._tracer_cls = gm._tracer_cls = LeafTracer
         return PassResult(matches=count, note=f"{count} linears upcast to float32 from {self.min_rows} rows")

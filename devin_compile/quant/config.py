@@ -141,7 +141,7 @@ class QuantConfig:
     # or a callable fn(done, total, *info) (quant/progress.py); not part of the config's identity
     progress: Any = dataclasses.field(default=True, repr=False, compare=False)
     # precision tiers below the model dtype: "int4" and/or "fp8" (e4m3, per-row scales); byte-budget
-    # targets pick each linear's tier by a knapsack over the estimated loss (passes/assign_precision.py)
+    # targets pick each linear's tier by a knapsack over the estimated loss (passes/assign_precision/)
     tiers: Any = ("int4",)
     # {regex: {option: value}}: the linears whose qualified name the regex matches (re.search; the first
     # matching regex wins) are rounded with these PER_LINEAR_KEYS options instead of the ones above

@@ -58,16 +58,16 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead_code, fake_like, is_call, linear_bias,
+from ...graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead_code, fake_like, is_call, linear_bias,
                            node_delta, param_of)
-from ..ops import dequant_tiles
-from ..ops import fp8_linear as fp8_op
-from ..ops import int4_linear as int4_op
-from ..ops.dense_copy import DenseCopyPolicy, dense_copy_policy
-from ..pipeline import Pass, PassContext, PassError, PassResult
-from ..quant.config import QuantConfig
-from ..quant.precision import Candidate, choose_tiers
-from ..quant.result import QuantResult, has_fp8, sensitivity
+from ...ops import dequant_tiles
+from ...ops import fp8_linear as fp8_op
+from ...ops import int4_linear as int4_op
+from ...ops.dense_copy import DenseCopyPolicy, dense_copy_policy
+from ...pipeline import Pass, PassContext, PassError, PassResult
+from ...quant.config import QuantConfig
+from ...quant.precision import Candidate, choose_tiers
+from ...quant.result import QuantResult, has_fp8, sensitivity
 from .quantized_head import embed_from_int4_head, hf_name, int8_head_to_op
 
 aten = torch.ops.aten

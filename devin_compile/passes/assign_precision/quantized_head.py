@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import add_call, add_constant, fake_like, is_call, linear_bias, param_of
-from ..ops import int4_embedding  # noqa: F401  (registers devin::int4_embedding)
-from ..ops import int8_embedding  # noqa: F401  (registers devin::int8_embedding)
-from ..ops import int8_linear as int8_op
-from ..pipeline import PassError
-from ..quant.precision import Candidate
-from ..quant.result import Int8Head
+from ...graph_utils import add_call, add_constant, fake_like, is_call, linear_bias, param_of
+from ...ops import int4_embedding  # noqa: F401  (registers devin::int4_embedding)
+from ...ops import int8_embedding  # noqa: F401  (registers devin::int8_embedding)
+from ...ops import int8_linear as int8_op
+from ...pipeline import PassError
+from ...quant.precision import Candidate
+from ...quant.result import Int8Head
 
 aten = torch.ops.aten
 
