@@ -35,7 +35,7 @@ def hf_name(target: str) -> str:
 
 
 def int8_head_to_op(gm: torch.fx.GraphModule, head: Int8Head | None, device: torch.device,
-                dtype: torch.dtype) -> tuple[dict | None, int]:
+                    dtype: torch.dtype) -> tuple[dict | None, int]:
     """The output head's ``linear`` → ``devin::int8_linear`` (``lm_head="int8"``), and the lookups of a
     tied embedding → ``devin::int8_embedding`` of the same operands; (its precision-table row, the lookups
     rewritten), or (None, 0) without an INT8 head."""
@@ -64,10 +64,9 @@ def int8_head_to_op(gm: torch.fx.GraphModule, head: Int8Head | None, device: tor
     gm.graph.erase_node(node)
     fp_bytes = w.numel() * torch.empty((), dtype=dtype).element_size()
     row = {"linear": head.name, "graph_node": new.name, "precision": "int8", "bits": 8, "group_size": None,
-            "group_note": "", "sensitivity": head.loss_delta if head.loss_delta is not None else float("nan"),
-            "fp8_sensitivity": None, "sensitivity_kind": "loss" if head.loss_delta is not None else "",
-            "bytes": int8_op.int8_bytes(*head.dims), "params": w.numel(), "fp_bytes": fp_bytes,
-           "kernel": kernel}
+           "group_note": "", "sensitivity": head.loss_delta if head.loss_delta is not None else float("nan"),
+           "fp8_sensitivity": None, "sensitivity_kind": "loss" if head.loss_delta is not None else "",
+           "bytes": int8_op.int8_bytes(*head.dims), "params": w.numel(), "fp_bytes": fp_bytes, "kernel": kernel}
     return row, tied
 
 
