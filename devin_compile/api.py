@@ -13,7 +13,7 @@ import torch
 
 from .backends.attention.registry import get_backend
 from .capture import ModelInfo, capture, model_info
-from .compile_cache import Compiled, cached_compile, folder_digest, key_parts, options_json
+from .compile_cache import Compiled, cached_compile, folder_digest, key_parts, options_json, use_inductor_cache
 from .config import OptimizeConfig
 from .config.tensor_parallel import check_model as check_tensor_parallel_model
 from .passes import default_passes
@@ -96,20 +96,31 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
 def _compile(model: torch.nn.Module, tokenizer, info: ModelInfo, config: OptimizeConfig, offload_roles: set,
              group: RankGroup | None) -> tuple[Compiled, OptimizeConfig]:
     """Capture and passes, or their result read from the compile cache; ``config`` as the program bounds it."""
-    def build() -> Compiled:
-        return _capture_and_compile(model, tokenizer, info, config, offload_roles, group)
-
     t0 = time.perf_counter()
     root, why_not = _cache_root(config, group)
+    spec = group.spec if group is not None else None
+    # passes whose output the cache cannot hold (compile_decode's callables) run after it, on what it returns
+    late = [] if why_not is not None else [p for p in default_passes(config, offload_roles, None, spec) if not p.cached]
+
+    def build() -> Compiled:
+        return _capture_and_compile(model, tokenizer, info, config, offload_roles, group, {p.name for p in late})
+
     if why_not is not None:
         compiled, status = build(), why_not
     else:
         device = next(model.parameters()).device
         artifact = {"quantized_artifact": folder_digest(config.quantized)} if config.quantized is not None else {}
         parts = key_parts(model, device, options_json(config, artifact))
+        if late:  # their Inductor code is kept in torch's caches, under this cache's root
+            use_inductor_cache(root)
         compiled, status = cached_compile(model, parts, build, root=root)
     log.info("compiled %s in %.1f s (compile cache: %s)", type(model).__name__, time.perf_counter() - t0, status)
-    return compiled, _bounded(config, compiled.info)
+    config = _bounded(config, compiled.info)
+    if late:
+        ctx = PassContext(info=compiled.info, config=config, scratch_step=scratch_steps(compiled.info))
+        ran = [r.name for r in compiled.report.records]
+        compiled.report.records += PassManager(late, ran_before=ran).run(compiled.program, ctx).records
+    return compiled, config
 
 
 def _cache_root(config: OptimizeConfig, group: RankGroup | None) -> tuple[Path | None, str | None]:
@@ -132,8 +143,9 @@ def _bounded(config: OptimizeConfig, info: ModelInfo) -> OptimizeConfig:
 
 
 def _capture_and_compile(model: torch.nn.Module, tokenizer, info: ModelInfo, config: OptimizeConfig,
-                         offload_roles: set, group: RankGroup | None) -> Compiled:
-    """Quantization (when asked), capture and the pass pipeline: the compiled program."""
+                         offload_roles: set, group: RankGroup | None, leave_out: set[str]) -> Compiled:
+    """Quantization (when asked), capture and the pass pipeline but the passes named in ``leave_out``:
+    the compiled program."""
     if not info.masks_probed:  # (see optimize())
         info = model_info(model)
     quant = _resolve_quantization(model, tokenizer, config)
@@ -147,7 +159,8 @@ def _capture_and_compile(model: torch.nn.Module, tokenizer, info: ModelInfo, con
     program = Program({"main": gm})
     ctx = PassContext(info=info, config=config, scratch_step=scratch_steps(info))
     probe = make_probe(info, info.device) if config.verify else None
-    passes = default_passes(config, offload_roles, quant, group.spec if group is not None else None)
+    passes = [p for p in default_passes(config, offload_roles, quant, group.spec if group is not None else None)
+              if p.name not in leave_out]
     report = PassManager(passes, dump_dir=config.dump_dir, probe=probe).run(program, ctx)
     return Compiled(program, info, report, ctx.outputs, quant_result=_kept(quant, config),
                     quant_identity=None if quant is None else [quant[0].fingerprint, repr(quant[1])])

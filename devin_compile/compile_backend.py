@@ -19,11 +19,14 @@ are symbolic before a backend sees the graph: the first call of ``torch.compile(
 backend="devin")`` is traced for its own prompt length, and the first call with another length
 compiles once more, for every length (then no more). :func:`devin_compile.compile_model` marks the
 token dimension dynamic before the first call (:mod:`.dynamic_tokens`): one compile for all lengths.
+Inductor's caches (its generated code, AOTAutograd's graphs) live under ``$DEVIN_COMPILE_CACHE/inductor``
+unless ``TORCHINDUCTOR_CACHE_DIR`` is set or ``DEVIN_COMPILE_CACHE_OFF=1``.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .compile_cache import use_inductor_cache
 from .config import OptimizeConfig
 from .passes.cleanup import Cleanup, remove_noops
 from .pipeline import PassContext, PassManager, PassReport, Program
@@ -74,6 +78,8 @@ def devin_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: 
     patches = dict(options.get("inductor") or {})
     patches.setdefault("post_grad_custom_post_pass", _PostGradCleanup())
     passes_s = time.perf_counter() - start
+    if os.environ.get("DEVIN_COMPILE_CACHE_OFF") in (None, "", "0"):
+        use_inductor_cache()  # Inductor's generated code under $DEVIN_COMPILE_CACHE/inductor (see compile_cache)
     before = _cache_counts()
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
     log.info("%s; %s", graph_summary(len(reports) - 1, nodes, example_inputs, report, passes_s,

@@ -143,6 +143,9 @@ class Pass:
     # Set (to the note the report shows) by a pass whose rewrite Inductor does its own way: with
     # ``config.compile_decode`` the decode graph is left to it, and ``run_graph`` never sees it.
     leaves_compiled_decode: ClassVar[str | None] = None
+    # False for a pass whose output the compile cache cannot store (compiled callables): optimize() runs it
+    # after the cached program is read back (or built), in a second PassManager (``ran_before=``).
+    cached: ClassVar[bool] = True
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -222,11 +225,14 @@ class PassManager:
     """Runs an ordered list of passes over a Program (see module docstring)."""
 
     def __init__(self, passes: list[Pass], *, dump_dir: str | None = None, probe: Probe | None = None,
-                 drift_tol: float = 1e-3) -> None:
+                 drift_tol: float = 1e-3, ran_before: Sequence[str] = ()) -> None:
         names = [p.name for p in passes]
         if len(set(names)) != len(names):
             raise ValueError(f"pass names must be unique, got {names}")
         self.passes = passes
+        # the passes an earlier manager ran over the same program (their names, in order): they count
+        # as scheduled before these, and the report's indices continue after them
+        self.ran_before = tuple(ran_before)
         self.dump_dir = dump_dir
         self.probe = probe
         self.drift_tol = drift_tol
@@ -235,7 +241,8 @@ class PassManager:
     def validate_order(self) -> None:
         """Every pass's ``requires`` runs before it: a cycle, or a prerequisite missing or scheduled
         later, is a ``ValueError`` (the cycle named first: no order could satisfy it)."""
-        position = {p.name: i for i, p in enumerate(self.passes)}
+        position = {name: i - len(self.ran_before) for i, name in enumerate(self.ran_before)}
+        position.update({p.name: i for i, p in enumerate(self.passes)})
         needs = nx.DiGraph([(req, p.name) for p in self.passes for req in p.requires])
         try:
             cycle = nx.find_cycle(needs)
@@ -253,10 +260,11 @@ class PassManager:
     def run(self, program: Program, ctx: PassContext) -> PassReport:
         report = PassReport()
         start = time.perf_counter()
+        total = len(self.ran_before) + len(self.passes)
         log.info("running %d passes: %s", len(self.passes), ", ".join(p.name for p in self.passes))
         reference = self._probe(program) if self.probe else None
         self._dump(0, "captured", program, report)
-        for i, p in enumerate(self.passes, start=1):
+        for i, p in enumerate(self.passes, start=len(self.ran_before) + 1):
             before = program.node_count()
             reason = p.skip_reason(program, ctx)
             if reason is not None:
@@ -265,7 +273,7 @@ class PassManager:
                 continue
             t0 = time.perf_counter()
             if p.runs_graphs:  # compiles or runs code: may take long, so say when it starts
-                log.info("pass %d/%d %s: started", i, len(self.passes), p.name)
+                log.info("pass %d/%d %s: started", i, total, p.name)
                 program.recompile()
             result = p.run(program, ctx)
             for gm in program.graphs.values():
@@ -280,7 +288,7 @@ class PassManager:
                     report.first_drift = p.name
             report.records.append(rec)
             if dt >= SLOW_PASS_S * 1e3:
-                log.info("pass %d/%d %s: %.1f s", i, len(self.passes), p.name, dt / 1e3)
+                log.info("pass %d/%d %s: %.1f s", i, total, p.name, dt / 1e3)
             self._dump(i, p.name, program, report)
         program.recompile()
         log.info("passes done in %.1f s", time.perf_counter() - start)

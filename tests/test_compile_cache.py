@@ -7,7 +7,8 @@
 - one edited weight element, another torch version: a miss;
 - a flipped byte, a truncated file: rebuilt with one warning, never used;
 - compile_cache=False and DEVIN_COMPILE_CACHE_OFF write nothing; a program with compiled decode
-  callables is not cacheable; the LRU bound evicts the least recently used entry, an entry over
+  callables is not cacheable, so with compile_decode the program before it is cached and the callables
+  are compiled after the read, torch's own compile caches under the cache root; the LRU bound evicts the least recently used entry, an entry over
   the bound is not kept;
 - two processes starting together on an empty cache: one compiles, the other reads its entry;
 - a hit in a new process registers the C++ CPU kernels of the ops its program calls (no pass ran);
@@ -154,6 +155,28 @@ def test_compiled_callables_are_not_cacheable(tiny_model, tmp_path):
     program = Program(dict(opt.program.graphs), decode_callables={1: lambda *a: None})
     with pytest.raises(NotCacheable, match="compile_decode"):
         save(tmp_path, Compiled(program, opt.info, opt.pass_report, None), tiny_model("llama"))
+
+
+def test_compile_decode_program_cached_callables_compiled_after(tiny_model, tmp_path, caplog, monkeypatch):
+    """compile_decode: the program before it is cached (a hit the second time) and its callables are compiled
+    after the read, with torch's compile caches under the cache root; same tokens cold and warm."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    model = tiny_model("llama")
+    kw = dict(compile_decode=True, decode_buckets=(1, 2), max_num_seqs=2)
+    with caplog.at_level(logging.INFO, logger="devin_compile"):
+        cold_opt = _optimize(model, tmp_path, **kw)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "inductor").resolve())
+        cold = cold_opt.generate(PROMPTS, max_new_tokens=8)
+        warm_opt = _optimize(model, tmp_path, **kw)
+    assert _statuses(caplog) == ["miss", "hit"]
+    for opt in (cold_opt, warm_opt):
+        assert sorted(opt.program.decode_callables) == [1, 2]
+        assert opt.engine.runner.decode_graphs.mode == "callables"
+        records = opt.pass_report.records
+        assert [r.index for r in records] == list(range(1, len(records) + 1))
+        assert records[-1].name == "compile_decode" and records[-1].status == "ran"
+    assert warm_opt.generate(PROMPTS, max_new_tokens=8) == cold
+    assert (tmp_path / "inductor").is_dir() and len(ProgramStore(tmp_path).entries()) == 1
 
 
 def test_lru_bound_and_an_entry_over_the_bound(tmp_path, monkeypatch):

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+from pathlib import Path
 
 HELP = "show (ls) or empty (clear) the on-disk compile cache"
 DESCRIPTION = ("The compile cache holds what optimize() would otherwise redo on every start of the same model: "
                "the compiled program and the weights its passes made (packed, fused, quantized), under "
                "$DEVIN_COMPILE_CACHE/programs (default ~/.cache/devin_compile), bounded by "
                "$DEVIN_COMPILE_CACHE_MAX_BYTES (default 8 GiB, least recently used entries go first). "
+               "torch's own compile caches for compile_decode (inductor/, Inductor's FX-graph and AOTAutograd "
+               "caches, unless TORCHINDUCTOR_CACHE_DIR is set) are shown and emptied with it. "
                "Built kernels (kernels/) are kept by clear.")
 
 
@@ -32,13 +36,23 @@ def _torch(parts: dict) -> str:
         return "?"
 
 
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
 def run(args) -> int:
+    from ..compile_cache import inductor_dir
     from ..compile_cache.store import ProgramStore, age, max_bytes
 
     store = ProgramStore()
+    inductor = inductor_dir()
     if args.action == "clear":
         freed = store.clear()
         print(f"cleared {store.folder}: {freed / 1e6:.1f} MB freed")
+        if inductor.is_dir():
+            size = _bytes(inductor)
+            shutil.rmtree(inductor, ignore_errors=True)
+            print(f"cleared {inductor}: {size / 1e6:.1f} MB freed")
         return 0
     entries = store.entries()
     for e in reversed(entries):  # most recently used first
@@ -47,4 +61,6 @@ def run(args) -> int:
     total = sum(e.bytes for e in entries)
     noun = "entry" if len(entries) == 1 else "entries"
     print(f"{len(entries)} {noun}, {total / 1e6:.2f} MB in {store.folder} (bound {max_bytes() / 1e6:.0f} MB)")
+    if inductor.is_dir():
+        print(f"torch's compile caches (compile_decode): {_bytes(inductor) / 1e6:.2f} MB in {inductor}")
     return 0

@@ -7,14 +7,17 @@ name on load, not stored. Entries live under ``$DEVIN_COMPILE_CACHE`` (default
 ``~/.cache/devin_compile``) in ``programs/``, are checked by xxh3, written atomically under a file
 lock and bounded in size, least recently used first (:mod:`.store`). ``optimize(...,
 compile_cache=False)`` / ``--no-compile-cache`` / ``DEVIN_COMPILE_CACHE_OFF=1`` turn it off;
-``devin-compile cache ls|clear`` shows and empties it.
+``devin-compile cache ls|clear`` shows and empties it. What the cache cannot hold (``compile_decode``'s
+compiled callables) is compiled after it is read, with torch's own compile caches pointed at
+``inductor/`` under the same root (:mod:`.inductor_cache`).
 """
 from __future__ import annotations
 
 from .cached_compile import cached_compile
+from .inductor_cache import inductor_dir, use_inductor_cache
 from .key import KeyParts, folder_digest, key_parts, options_json, versions
 from .program_file import Compiled, NotCacheable
 from .store import ProgramStore
 
-__all__ = ["Compiled", "KeyParts", "NotCacheable", "ProgramStore", "cached_compile", "folder_digest", "key_parts",
-           "options_json", "versions"]
+__all__ = ["Compiled", "KeyParts", "NotCacheable", "ProgramStore", "cached_compile", "folder_digest", "inductor_dir",
+           "key_parts", "options_json", "use_inductor_cache", "versions"]

@@ -21,11 +21,15 @@ token dimension symbolic, batch 1 and batch >= 2 are the only two compiles (Indu
 specialises size 1), and every bucket reuses them. This is the CPU counterpart of
 ``wrap_cuda_graphs`` (CUDA Graphs per bucket on GPU); the runtime's ``DecodeGraphs`` runs both.
 
+It is the one pass the compile cache does not store (``cached = False``): optimize() runs it after the
+cached program is read back (or built), with Inductor's own caches under the compile cache's root.
+
 Invariant: for every bucket, the compiled callable returns the decode graph's logits
 (greedy tokens identical in float32; tested).
 """
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -39,6 +43,7 @@ class CompileDecode(Pass):
     name = "compile_decode"
     requires = ("split_phases",)
     runs_graphs = True  # torch.compile traces the decode graph's code
+    cached = False  # its callables live in this process (Inductor's own caches hold their code on disk)
 
     def __init__(self, decode_buckets: tuple[int, ...], max_num_seqs: int, options: dict | None = None) -> None:
         super().__init__()
@@ -91,10 +96,22 @@ def _for_inductor(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.op == "call_function" and node.target is torch.ops.devin.rms_norm.default:
             x, w, eps = node.args
             node.target = torch.ops.aten.rms_norm.default
-            node.args = (x, [fake_value(x).shape[-1]], w, eps)
+            node.args = (x, [_hidden_size(gm, x, w)], w, eps)
         elif node.op == "call_function" and node.target in inline:
             node.target = inline[node.target]
     return torch.fx.GraphModule(gm, graph)
+
+
+def _hidden_size(gm: torch.fx.GraphModule, x: torch.fx.Node, weight) -> int:
+    """The size ``rms_norm`` normalises over: ``x``'s last dimension, from its fake value or, in a graph read
+    back from the compile cache (no node metadata), from the norm's weight."""
+    val = fake_value(x)
+    if val is not None:
+        return val.shape[-1]
+    if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
+        return operator.attrgetter(weight.target)(gm).shape[-1]
+    raise PassError(f"compile_decode: the size {x.name}'s rms_norm normalises over is unknown (no shape "
+                    "metadata, no weight); run optimize(..., compile_decode=False)")
 
 
 def _warm(fn, ctx: PassContext, batch: int) -> None:
