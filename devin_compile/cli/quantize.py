@@ -137,7 +137,7 @@ def calibrate(args) -> int:
 
 def quantize(args) -> int:
     from ..quant import QuantConfig, artifact, quantize_model, resolve_target
-    from ..quant.calibration import META_FILE, STATS_FILE, CalibrationStats
+    from ..quant.calibration_stats import META_FILE, STATS_FILE, CalibrationStats
     from ..quant.corpus import data_from_label, load_token_stream, token_chunks
 
     target = args.target

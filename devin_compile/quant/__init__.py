@@ -21,7 +21,7 @@ the model dtype; the byte-budget knapsack), ``simulation``
 from __future__ import annotations
 
 from .artifact import load, save
-from .calibration import CalibrationStats
+from .calibration_stats import CalibrationStats
 from .config import METHODS, RUNTIME_KEYS, TIERS, QuantConfig, parse_target, parse_tiers
 from .evaluate import validate
 from .kl_search import resolve_max_kl

@@ -38,7 +38,7 @@ import torch
 from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
 from ..backends.int8 import format as int8_fmt
-from .calibration import check_fingerprint, output_head, quantizable_linears
+from .model_linears import check_fingerprint, output_head, quantizable_linears
 from .result import Int8Head, QLinear, QuantResult
 
 TENSORS_FILE = "quantized.safetensors"

@@ -32,7 +32,8 @@ from .anchor import anchor_outlier_channels
 from ..backends.fp8 import format as fp8_fmt
 from ..backends.int4 import format as fmt
 from ..backends.int8 import format as int8_fmt
-from .calibration import CalibrationStats, model_fingerprint, output_head, quantizable_linears
+from .calibration_stats import CalibrationStats
+from .model_linears import model_fingerprint, output_head, quantizable_linears
 from .config import QuantConfig
 from .grid_refit import refit_and_reround
 from .progress import Progress, ProgressArg

@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from .calibration import output_head, quantizable_linears
+from .model_linears import output_head, quantizable_linears
 from .result import QuantResult
 
 
