@@ -63,9 +63,9 @@ class OptimizeConfig:
     warmup: bool = True
     # CPU: compile the decode graph ahead with Inductor, one callable per decode bucket
     # (costs ~45-80 s per model in optimize(); at batch 1 on a 2-core AVX2 CPU 1.4x faster than the eager
-    # decode graph in bf16, 1.6x with INT4, but 0.79x on an earlier CPU and 0.80x in fp32 on a 2-core Intel
-    # Xeon with AMX, 0.93x there with freezing off; see passes/compile_decode.py). The program before it is
-    # compile-cached; Inductor caches its own compile only with {"freezing": False} (README).
+    # decode graph in bf16, 1.6x with INT4, but 0.79x on an earlier CPU; on a 2-core Intel Xeon with AMX
+    # 1.04x bf16 / 0.97x fp32, and 0.73x / 0.94x with {"freezing": False}; see passes/compile_decode.py).
+    # The program before it is compile-cached; Inductor caches its own compile only with freezing off (README).
     compile_decode: bool = False
     # Inductor config overrides for compile_decode, as torch.compile(options=...) takes them, e.g.
     # {"cpp_wrapper": True}: a C++ wrapper instead of Python calls the kernels (SmolLM2 INT4 on a
