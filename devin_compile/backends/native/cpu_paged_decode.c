@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "cpu_kernels.h"
 
@@ -29,6 +30,21 @@
 #define MAX_DIM 512
 #define MAX_CHUNK 4096
 #define SERIAL_WORK (1 << 17) /* multiply-adds of a step below which one thread does it all */
+#define PASSIVE_SERIAL_WORK (1 << 22) /* ... when OMP_WAIT_POLICY=passive (see serial_work) */
+
+/* The work below which a step runs on the calling thread. Under OMP_WAIT_POLICY=passive the team's
+ * threads sleep between parallel regions and each region wakes them: SmolLM2 at batch 1 on a 2-core
+ * Intel Xeon, 1 vs 2 threads, passive: 32 vs 144 us at 256 keys, 227 vs 307 at 2048, 333 vs 353 at
+ * 3072 (two threads ahead only from ~4k keys); with the default policy two threads win from 256 keys
+ * (26 vs 35 us). 2^22 multiply-adds is ~3.6k keys of SmolLM2. */
+static int64_t serial_work(void) {
+    static int64_t work = -1; /* read once; a race only writes the same value */
+    if (work < 0) {
+        const char *policy = getenv("OMP_WAIT_POLICY");
+        work = policy && strcasecmp(policy, "passive") == 0 ? PASSIVE_SERIAL_WORK : SERIAL_WORK;
+    }
+    return work;
+}
 
 /* exp(x) for x <= 0, written so the loop around it vectorises: x = k*ln2 + r with
  * |r| <= ln2/2, e^r by its Taylor series to r^6 (relative error < 2e-7), 2^k by the exponent. */
@@ -212,7 +228,7 @@ int devin_paged_decode_attention(
     /* A step with little work (a batch-1 decode at a short context) runs on the calling thread:
      * waking a second thread costs more than the work (SmolLM2, 64 keys, 2-core Zen 4 under load:
      * 11 us on one thread, 71 us on two). Same tasks either way, so the same result. */
-    if (keys * num_kv_heads * group * (int64_t)(head_dim + v_head_dim) < SERIAL_WORK) num_threads = 1;
+    if (keys * num_kv_heads * group * (int64_t)(head_dim + v_head_dim) < serial_work()) num_threads = 1;
     int64_t nchunks = first[n];
     int64_t ntasks = nchunks * num_kv_heads;
     int32_t *task_seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(nchunks > 0 ? nchunks : 1));
