@@ -124,13 +124,16 @@ class CalibrationStats:
                     meta["chunk_len"], meta["fingerprint"], meta.get("seconds", 0.0), meta.get("data", ""),
                     fisher=fisher, grad_hessian=grad_hessian)
         if model is not None:
-            check_fingerprint(stats.fingerprint, model, f"calibration {p}")
-            lins = quantizable_linears(model, lm_head=output_head(model) is not None)
-            for name, key in stats.linear_input.items():
-                if name not in lins or lins[name].in_features != stats.absmean[key].shape[0]:
-                    raise ValueError(f"calibration {p}: linear {name!r} does not match the model")
-            for name, f in fisher.items():
-                if name not in lins or tuple(f.shape) != (lins[name].out_features,):
-                    raise ValueError(f"calibration {p}: the output-gradient statistics of {name!r} do not match "
-                                     "the model")
+            stats.check_model(model, f"calibration {p}")
         return stats
+
+    def check_model(self, model: torch.nn.Module, what: str) -> None:
+        """A ``ValueError`` naming ``what`` unless these statistics were gathered on ``model``."""
+        check_fingerprint(self.fingerprint, model, what)
+        lins = quantizable_linears(model, lm_head=output_head(model) is not None)
+        for name, key in self.linear_input.items():
+            if name not in lins or lins[name].in_features != self.absmean[key].shape[0]:
+                raise ValueError(f"{what}: linear {name!r} does not match the model")
+        for name, f in self.fisher.items():
+            if name not in lins or tuple(f.shape) != (lins[name].out_features,):
+                raise ValueError(f"{what}: the output-gradient statistics of {name!r} do not match the model")
