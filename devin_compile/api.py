@@ -61,6 +61,7 @@ def optimize(model: torch.nn.Module, tokenizer=None, **options: Any) -> Optimize
         _check_recurrent_options(config)
     group, config = _rank_group(model, info, config)  # tensor_parallel > 1: checked before any weight moves
     offload_roles = set(check_offload_layers(model, list(config.offload_layers)).values())
+    _check_offload_head(config, offload_roles, info)
     callers = model
     if config.dtype is not None and next(model.parameters()).dtype != config.dtype:
         model = copy.deepcopy(model).to(config.dtype)
@@ -202,6 +203,19 @@ def _check_recurrent_options(config: OptimizeConfig) -> None:
         if on:
             raise ValueError(f"{what} is not supported for models with recurrent layers (Mamba, gated DeltaNet, "
                              f"RG-LRU): {why}; drop {what.split('=')[0].split(' ')[0]}")
+
+
+def _check_offload_head(config: OptimizeConfig, offload_roles: set, info: ModelInfo) -> None:
+    """``offload_layers=["lm_head"]`` off the CPU with ``quantization=`` quantizing the head: refused before
+    quantizing (offload_embeddings moves only a head in the model dtype)."""
+    from .quant import QuantConfig
+
+    device = torch.device(config.device) if config.device is not None else info.device
+    head = getattr(QuantConfig.coerce(config.quantization), "lm_head", False)
+    if "lm_head" in offload_roles and device.type != "cpu" and head:
+        raise ValueError(f"offload_layers=['lm_head'] with quantization lm_head={head!r}: a quantized head is not "
+                         "moved to the CPU yet; pass quantization={..., 'lm_head': False} to keep the head in the "
+                         "model dtype, or drop lm_head from offload_layers")
 
 
 def _kept(quant, config: OptimizeConfig):

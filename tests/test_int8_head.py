@@ -166,3 +166,27 @@ def test_corrupt_int8_head_in_an_artifact_is_named(tmp_path):
     save_file(tensors, str(tmp_path / artifact.TENSORS_FILE))
     with pytest.raises(ValueError, match="lm_head has INT8 values of -128 or scales that are not finite"):
         artifact.load(tmp_path, model)
+
+
+def test_offloading_a_quantized_head_is_refused_with_the_way_out():
+    """offload_layers=["lm_head"] moves only a head in the model dtype: with the INT8 head (the default), off
+    the CPU optimize() refuses before quantizing, and the pass itself (forced on this CPU) names lm_head=False."""
+    from devin_compile.config import OptimizeConfig
+    from devin_compile.passes import OffloadEmbeddings
+    from devin_compile.passes.offload_embeddings import quantized_roles
+    from devin_compile.pipeline import PassContext, PassError
+
+    model = _llama(tied=True)
+    quant = {"method": "rtn", "group_size": 32, "calib_chunks": 1, "calib_len": 32}
+    with pytest.raises(ValueError, match=r"lm_head': False"):
+        devin_compile.optimize(model, tokenizer=CharTokenizer(), device="cuda", offload_layers=["lm_head"],
+                               quantization=quant)
+    opt = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization=quant)
+    ctx = PassContext(info=opt.info, config=OptimizeConfig())
+    for roles, named in (({"lm_head"}, "lm_head"), ({"embedding"}, "embedding")):
+        with pytest.raises(PassError, match=rf"the {named} of this model is quantized.*'lm_head': False"):
+            OffloadEmbeddings(roles, force=True).run(opt.program, ctx)
+    kept = devin_compile.optimize(model, tokenizer=CharTokenizer(), quantization={**quant, "lm_head": False})
+    graphs = kept.program.graphs.values()
+    assert all(any(n.target is torch.ops.devin.int4_linear.default for n in gm.graph.nodes) for gm in graphs)
+    assert not any(quantized_roles(gm) for gm in graphs)  # the decoder's INT4 linears are not taken for the head

@@ -14,7 +14,9 @@ weights (one tensor for both) stay one tensor, on the CPU, and are counted once.
 Module names are the model's own (``model.get_input_embeddings()`` /
 ``get_output_embeddings()`` attribute names, e.g. ``embed_tokens`` and ``lm_head``); an
 unknown name is a ``ValueError`` listing the valid ones. Skipped when the model is already
-on the CPU (nothing to move). Invariant: logits are unchanged up to the float rounding of
+on the CPU (nothing to move). A head or tied embedding that assign_precision quantized
+(``devin::int8_linear`` / ``int8_embedding``, or INT4) is a ``PassError`` naming ``lm_head=False``
+(not moved yet). Invariant: logits are unchanged up to the float rounding of
 the CPU kernels (identical on CPU).
 """
 from __future__ import annotations
@@ -84,6 +86,12 @@ class OffloadEmbeddings(Pass):
                     _offload_head(gm, node, device, moved)
                     found.add("lm_head")
             missing = self.roles - found
+            quantized = quantized_roles(gm) & missing
+            if quantized:
+                raise PassError(f"offload_layers: the {' and '.join(sorted(quantized))} of this model is quantized "
+                                "(devin::int8/int4 ops), which offload_embeddings does not move to the CPU yet; "
+                                "keep the head in the model dtype (quantization={..., 'lm_head': False}) or drop "
+                                f"{sorted(quantized)} from offload_layers")
             if missing:
                 raise PassError(f"offload_embeddings: {phase} graph has no {sorted(missing)} node to offload "
                                 "(expected aten.embedding on the input ids / the linear producing the logits)")
@@ -95,6 +103,43 @@ class OffloadEmbeddings(Pass):
                 gm.delete_all_unused_submodules()
         notes.append(f"{sorted(self.roles)} on CPU; device memory saved {saved / 2**20:.1f} MiB")
         return PassResult(matches=matches, note="; ".join(notes))
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """``int8_linear`` for a call of ``devin::int8_linear``; "" for anything but a devin:: op call."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != "devin":
+        return ""
+    return t.name().split("::")[-1].split(".")[0]
+
+
+def _reaches_output(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value reaches the graph output without passing through another linear."""
+    frontier, seen = list(node.users), set()
+    while frontier:
+        n = frontier.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output":
+            return True
+        if is_call(n, aten.linear.default) or _op_name(n).endswith("_linear"):
+            continue
+        frontier.extend(n.users)
+    return False
+
+
+def quantized_roles(gm: torch.fx.GraphModule) -> set[str]:
+    """The roles whose op in ``gm`` is a quantized one (assign_precision's rewrites): a tied embedding reading
+    the INT8/INT4 head, a quantized linear producing the logits."""
+    roles = set()
+    for n in gm.graph.nodes:
+        name = _op_name(n)
+        if name in ("int8_embedding", "int4_embedding"):
+            roles.add("embedding")
+        elif name in ("int8_linear", "int4_linear") and _reaches_output(n):
+            roles.add("lm_head")
+    return roles
 
 
 def _cpu_attr(gm: torch.fx.GraphModule, attr_node: torch.fx.Node, moved: dict) -> torch.fx.Node:
