@@ -64,14 +64,15 @@ def sample_rows(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampledRows:
     logits = logits.float()
     errors = {row: NON_FINITE for row, ok in enumerate(finite_rows(logits)) if not ok}
     for row, seq in enumerate(seqs):
-        if row in errors:
+        if row in errors or not seq.params.logits_processors:
             continue
         try:
             apply_processors(seq, logits[row:row + 1])
         except ProcessorError as e:
             errors[row] = str(e)
     ok = [r for r in range(len(seqs)) if r not in errors]
-    picked = sample_batch(logits[ok], [seqs[r].params for r in ok], [seqs[r].generator for r in ok])
+    kept = logits if len(ok) == len(seqs) else logits[ok]  # (indexing copies every row)
+    picked = sample_batch(kept, [seqs[r].params for r in ok], [seqs[r].generator for r in ok])
     tokens: list[int | None] = [None] * len(seqs)
     for r, tok in zip(ok, picked):
         tokens[r] = tok
