@@ -238,7 +238,7 @@ def test_op_runs_tiles_above_the_limit_without_a_dense_copy(monkeypatch):
 
 def test_bf16_tied_head_serves_the_embedding_and_the_logits():
     """A bf16 model's tied head is packed once, in bf16 pairs: the embedding looks rows up in it and the C tile
-    (AVX512-BF16) computes the logits rows, equal to a float32 linear over the bf16 weight up to bf16 rounding."""
+    (AVX512-BF16; whole 16-row tiles on AMX) computes the logits rows, equal to a float32 linear over the bf16 weight up to bf16 rounding."""
     from devin_compile.ops import packed_gemm_linear as pg
 
     if not (pg.load_cpu_kernel() and pg.serves_bf16()):
@@ -254,7 +254,7 @@ def test_bf16_tied_head_serves_the_embedding_and_the_logits():
     ids = torch.tensor([[0, 5, 17, 299, 16]])
     assert torch.equal(torch.ops.devin.packed_embedding(packed, ids), torch.nn.functional.embedding(ids, w))
     bias = torch.randn(320).bfloat16()
-    for rows in (1, 2, 3, 9, 40):
+    for rows in (1, 2, 3, 9, 16, 17, 40):  # 16, 17, 40: whole 16-row tiles through AMX where the CPU has it
         x = torch.randn(rows, w.shape[1]).bfloat16()
         for b in (None, bias):
             got = torch.ops.devin.packed_gemm_linear(x, packed, b, w.shape[0])

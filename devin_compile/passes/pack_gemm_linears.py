@@ -13,7 +13,8 @@ tile holds 8 rows (AVX-512): there it is as fast as oneDNN's prepacked GEMM from
 and about twice as fast at decode rows (the bench's attention projections: ~20 vs ~40 µs at one
 row); with the 2-row AVX2 tile those stay for ``prepack_onednn_linears``. In a bf16 model, on CPUs with
 AVX512-BF16, only an output head tied to the embedding (its packed copy then serves both, where a
-oneDNN-prepacked head would sit beside the dense embedding; at one row as fast as oneDNN's GEMV);
+oneDNN-prepacked head would sit beside the dense embedding; at one row as fast as oneDNN's GEMV; on AMX
+CPUs its whole 16-row tiles go through AMX, 64 rows of SmolLM2's head in 3.3 ms instead of ~20);
 the other bf16 linears are ``prepack_onednn_linears'``. Enabled by ``pack_linears``.
 
 Invariant: outputs equal up to float32 summation order, and a row's result does not depend on

@@ -19,6 +19,8 @@
 // devin_packed_gemm_linear_bf16: the same for bf16 x and weights in the bf16 pair layout
 //                      [N/16][K/2][16][2] (row k2 holds columns 16j..16j+15 of k = 2k2 and 2k2 + 1, as
 //                      AVX512-BF16's vdpbf16ps pairs them), float32 y; products exact, float32 sums.
+//                      With AMX (built with it, granted by the kernel, K a multiple of 32) whole tiles of 16
+//                      rows go through AMX's tdpbf16ps (the pair layout is its B tile), the rest as above.
 // Each returns 0, 1 for shapes the packing does not cover (a dimension not a multiple of 16), or 2
 // where the build has no AVX512-BF16 (devin_packed_gemm_bf16_built() says which).
 #include <stdint.h>
@@ -219,6 +221,50 @@ INLINE void bf16_tile(const int R, const uint16_t *x, int64_t x_stride, const ui
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16           // rows of x an AMX tile takes (its A and C tiles have 16 rows)
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+// Whether this process may use AMX tiles (Linux grants the tile state on request; oneDNN asks the same way).
+static int amx_ready(void) {
+    static int ready = -1;  // asked once; a race only asks twice
+    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ready;
+}
+
+// Tiles 0 (C: 16 rows x 16 float32), 1 (A: 16 rows of x, 32 bf16), 2 (B: 16 pair rows of a block, 64 bytes).
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 3; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+// Rows r0..r0+15 of x against one 16-column block: the pair layout's 16 rows k2..k2+15 are exactly AMX's
+// B tile (VNNI: each row the pairs of 16 columns), 32 bf16 of each row of x its A tile. k % 32 == 0.
+static void amx_tile(const uint16_t *x, int64_t x_stride, const uint16_t *w, int k, float *y, int64_t y_stride,
+                     int64_t r0, int j) {
+    _tile_zero(0);
+    for (int kk = 0; kk < k; kk += 32) {
+        _tile_loadd(1, x + r0 * x_stride + kk, x_stride * 2);
+        _tile_loadd(2, w + 16 * (int64_t)kk, 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, y + r0 * y_stride + 16 * j, y_stride * 4);
+}
+#endif
+
 int devin_packed_gemm_bf16_built(void) {
 #ifdef __AVX512BF16__
     return 1;
@@ -232,13 +278,29 @@ int devin_packed_gemm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m
 #ifdef __AVX512BF16__
     if (n <= 0 || k <= 0 || n % 16 || k % 2) return 1;
     const int nb = n / 16;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && nb > 1)
-    for (int j = 0; j < nb; j++) {
-        const uint16_t *wp = w + (int64_t)j * k * 16;
-        for (int64_t r = 0; r < m; r += MR) {
-            const int64_t left = m - r;
-            DISPATCH(bf16_tile, left, x, x_stride, wp, k, y, y_stride, r, j)
+    int64_t amx_rows = 0;  // the first rows, in whole tiles of AMX_ROWS, go through AMX where it is usable
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (m >= AMX_ROWS && k % 32 == 0 && amx_ready()) amx_rows = m / AMX_ROWS * AMX_ROWS;
+#endif
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && nb > 1)
+    {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx_rows) amx_configure();  // tile configuration is per thread
+#endif
+#pragma omp for schedule(static)
+        for (int j = 0; j < nb; j++) {
+            const uint16_t *wp = w + (int64_t)j * k * 16;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            for (int64_t r = 0; r < amx_rows; r += AMX_ROWS) amx_tile(x, x_stride, wp, k, y, y_stride, r, j);
+#endif
+            for (int64_t r = amx_rows; r < m; r += MR) {
+                const int64_t left = m - r;
+                DISPATCH(bf16_tile, left, x, x_stride, wp, k, y, y_stride, r, j)
+            }
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx_rows) _tile_release();
+#endif
     }
     return 0;
 #else
