@@ -17,8 +17,8 @@ oneDNN-prepacked head would sit beside the dense embedding; at one row as fast a
 CPUs its whole 16-row tiles go through AMX, 64 rows of SmolLM2's head in 3.3 ms instead of ~20);
 the other bf16 linears are ``prepack_onednn_linears'``. Enabled by ``pack_linears``.
 
-Invariant: outputs equal up to float32 summation order, and a row's result does not depend on
-the other rows of the step; packed weights are shared by the prefill and decode graphs and
+Invariant: outputs equal up to float32 summation order, and a float32 row's result does not depend on
+the other rows of the step (a bf16 row's rounding follows its tile: AMX or AVX512-BF16); packed weights are shared by the prefill and decode graphs and
 replace the dense ones. An embedding tied to a packed head reads its rows from the packed weight
 (``devin::packed_embedding``, the same values), so the dense weight is dropped too: each weight is
 held once. Declines (reason in the report): weights other than float32 (bf16 tied heads) CPU parameters, K odd.
