@@ -284,3 +284,25 @@ def test_upcast_linear_pass_bf16(monkeypatch):
     fp32, _ = _run(_model(torch.float32), [])
     # no less accurate than the bf16 linears, against the float32 model
     assert (out.float() - fp32).abs().mean() <= 1.1 * (base.float() - fp32).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_cpu_kernel_equals_its_definition(dtype):
+    """devin::rms_norm's C++ kernel: the mean square summed in double (in lanes), ``inv = 1 / sqrt(float(mean) +
+    eps)`` in float32, ``(x * inv) * w`` rounded once to the dtype (bf16: to nearest even, as torch rounds),
+    NaN rows NaN; at one row and at many (rows split over threads)."""
+    from devin_compile.backends.fused import cpu_rms_norm_op
+
+    if not cpu_rms_norm_op.load():
+        pytest.skip("no C++ compiler here")
+    g = torch.Generator().manual_seed(3)
+    for rows, d in [(1, 576), (64, 576), (130, 37), (3, 8)]:
+        x = (torch.randn(rows, d, generator=g) * 4).to(dtype)
+        x[-1, 0] = float("nan") if rows > 1 else x[-1, 0]
+        w = torch.randn(d, generator=g).to(dtype)
+        got = torch.ops.devin.rms_norm(x, w, 1e-5)
+        mean = (x.double().pow(2).sum(-1) / d).float()
+        inv = 1 / torch.sqrt(mean + 1e-5)
+        want = ((x.float() * inv[:, None]) * w.float()).to(dtype)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert rows == 1 or torch.isnan(got[-1]).all()

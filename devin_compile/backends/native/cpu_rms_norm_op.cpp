@@ -20,6 +20,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace {
@@ -28,22 +30,59 @@ using Signature = at::Tensor(const at::Tensor &, const at::Tensor &, double);
 using AddSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor &, const at::Tensor &, const at::Tensor &,
                                                         double);
 
+// Element loads and stores in float; bf16 by its bits (c10's conversions do not vectorize): round to nearest
+// even, NaN to 0x7FC0, exactly as c10::BFloat16(float).
+template <typename T>
+inline float load(const T *p, int64_t i) {
+    return static_cast<float>(p[i]);
+}
+template <>
+inline float load<c10::BFloat16>(const c10::BFloat16 *p, int64_t i) {
+    const uint32_t u = static_cast<uint32_t>(p[i].x) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+template <typename T>
+inline void store(T *p, int64_t i, float v) {
+    p[i] = static_cast<T>(v);
+}
+template <>
+inline void store<c10::BFloat16>(c10::BFloat16 *p, int64_t i, float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    const uint16_t rounded = static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
+    p[i].x = v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+
 template <typename T>
 inline void rms_norm_row(const T *xr, const T *w, T *yr, int64_t d, float eps) {
-    double sum = 0.;  // a double sum: as close to exact as aten's float32 tree sum, in any order
-    for (int64_t i = 0; i < d; i++) {
-        const double v = static_cast<float>(xr[i]);
-        sum += v * v;
+    // a double sum: as close to exact as aten's float32 tree sum, in any order; eight independent lanes (one
+    // chain of dependent double adds took ~1 us a row of 576), added in a fixed order: the same result at any M
+    constexpr int L = 8;
+    double lane[L] = {0., 0., 0., 0., 0., 0., 0., 0.};
+    int64_t i = 0;
+    for (; i + L <= d; i += L)
+#pragma omp simd
+        for (int l = 0; l < L; l++) {
+            const double v = load(xr, i + l);
+            lane[l] += v * v;
+        }
+    for (; i < d; i++) {
+        const double v = load(xr, i);
+        lane[i % L] += v * v;
     }
+    const double sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     const float inv = 1.f / std::sqrt(static_cast<float>(sum / static_cast<double>(d)) + eps);
+#pragma omp simd
     for (int64_t i = 0; i < d; i++) {
-        yr[i] = static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i]));
+        store(yr, i, load(xr, i) * inv * load(w, i));
     }
 }
 
 template <typename T>
 void rms_norm_rows(const T *x, const T *w, T *y, int64_t rows, int64_t d, float eps) {
-    // rows are independent; a row of SmolLM2 (576 values) is ~1 us, so split only long inputs
+    // rows are independent; a row of SmolLM2 (576 values) is ~0.35 us (bf16, AVX-512), so split only long inputs
     at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; r++) rms_norm_row(x + r * d, w, y + r * d, d, eps);
     });
@@ -55,7 +94,8 @@ void add_rms_norm_rows(const T *x, const T *res, const T *w, T *y, T *s, int64_t
         for (int64_t r = begin; r < end; r++) {
             const T *xr = x + r * d, *rr = res + r * d;
             T *sr = s + r * d;
-            for (int64_t i = 0; i < d; i++) sr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) store(sr, i, load(xr, i) + load(rr, i));
             rms_norm_row(sr, w, y + r * d, d, eps);
         }
     });
