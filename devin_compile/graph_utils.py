@@ -192,10 +192,8 @@ def linear_bias(node: torch.fx.Node) -> Any:
     return node.args[2] if len(node.args) > 2 else None
 
 
-def is_logits_linear(node: torch.fx.Node) -> bool:
-    """The linear whose output reaches the graph output without another linear in between (lm_head)."""
-    if not is_call(node, aten.linear.default) or node.args[1].op != "get_attr":
-        return False
+def reaches_output(node: torch.fx.Node, barrier: Callable[[torch.fx.Node], bool]) -> bool:
+    """Whether a walk over ``node``'s users meets the graph output before any node ``barrier`` accepts."""
     frontier, seen = list(node.users), set()
     while frontier:
         n = frontier.pop()
@@ -204,10 +202,17 @@ def is_logits_linear(node: torch.fx.Node) -> bool:
         seen.add(n)
         if n.op == "output":
             return True
-        if is_call(n, aten.linear.default):
+        if barrier(n):
             return False
         frontier.extend(n.users)
     return False
+
+
+def is_logits_linear(node: torch.fx.Node) -> bool:
+    """The linear whose output reaches the graph output without another linear in between (lm_head)."""
+    if not is_call(node, aten.linear.default) or node.args[1].op != "get_attr":
+        return False
+    return reaches_output(node, lambda n: is_call(n, aten.linear.default))
 
 
 def cpu_linears(gm: torch.fx.GraphModule, dtypes: tuple[torch.dtype, ...] | None = None):

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-from pathlib import Path
 
 HELP = "show (ls) or empty (clear) the on-disk compile cache"
 DESCRIPTION = ("The compile cache holds what optimize() would otherwise redo on every start of the same model: "
@@ -36,12 +34,8 @@ def _torch(parts: dict) -> str:
         return "?"
 
 
-def _bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
-
-
 def run(args) -> int:
-    from ..compile_cache import inductor_dir
+    from ..compile_cache.inductor_cache import clear_inductor, inductor_bytes, inductor_dir
     from ..compile_cache.store import ProgramStore, age, max_bytes
 
     store = ProgramStore()
@@ -50,9 +44,7 @@ def run(args) -> int:
         freed = store.clear()
         print(f"cleared {store.folder}: {freed / 1e6:.1f} MB freed")
         if inductor.is_dir():
-            size = _bytes(inductor)
-            shutil.rmtree(inductor, ignore_errors=True)
-            print(f"cleared {inductor}: {size / 1e6:.1f} MB freed")
+            print(f"cleared {inductor}: {clear_inductor() / 1e6:.1f} MB freed")
         return 0
     entries = store.entries()
     for e in reversed(entries):  # most recently used first
@@ -62,5 +54,5 @@ def run(args) -> int:
     noun = "entry" if len(entries) == 1 else "entries"
     print(f"{len(entries)} {noun}, {total / 1e6:.2f} MB in {store.folder} (bound {max_bytes() / 1e6:.0f} MB)")
     if inductor.is_dir():
-        print(f"torch's compile caches (compile_decode): {_bytes(inductor) / 1e6:.2f} MB in {inductor}")
+        print(f"torch's compile caches (compile_decode): {inductor_bytes() / 1e6:.2f} MB in {inductor}")
     return 0

@@ -10,6 +10,7 @@ over two folders).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from ..backends.native.kernel_cache import cache_root
@@ -27,3 +28,16 @@ def use_inductor_cache(root: Path | None = None) -> str:
     the folder they use, either way."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir(root).resolve()))
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def inductor_bytes(root: Path | None = None) -> int:
+    """The bytes under ``<root>/inductor`` (0 when it does not exist)."""
+    folder = inductor_dir(root)
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
+def clear_inductor(root: Path | None = None) -> int:
+    """Remove ``<root>/inductor``; the bytes freed."""
+    size = inductor_bytes(root)
+    shutil.rmtree(inductor_dir(root), ignore_errors=True)
+    return size

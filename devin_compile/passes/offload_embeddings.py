@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph_utils import is_call, is_logits_linear
+from ..graph_utils import is_call, is_logits_linear, reaches_output
 from ..pipeline import Pass, PassContext, PassError, PassResult, Program
 
 aten = torch.ops.aten
@@ -113,20 +113,9 @@ def _op_name(node: torch.fx.Node) -> str:
     return t.name().split("::")[-1].split(".")[0]
 
 
-def _reaches_output(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s value reaches the graph output without passing through another linear."""
-    frontier, seen = list(node.users), set()
-    while frontier:
-        n = frontier.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "output":
-            return True
-        if is_call(n, aten.linear.default) or _op_name(n).endswith("_linear"):
-            continue
-        frontier.extend(n.users)
-    return False
+def _is_linear(node: torch.fx.Node) -> bool:
+    """A linear of any kind: ``aten.linear`` or a ``devin::*_linear`` kernel op."""
+    return is_call(node, aten.linear.default) or _op_name(node).endswith("_linear")
 
 
 def quantized_roles(gm: torch.fx.GraphModule) -> set[str]:
@@ -137,7 +126,7 @@ def quantized_roles(gm: torch.fx.GraphModule) -> set[str]:
         name = _op_name(n)
         if name in ("int8_embedding", "int4_embedding"):
             roles.add("embedding")
-        elif name in ("int8_linear", "int4_linear") and _reaches_output(n):
+        elif name in ("int8_linear", "int4_linear") and reaches_output(n, _is_linear):
             roles.add("lm_head")
     return roles
 
