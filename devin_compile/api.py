@@ -13,7 +13,8 @@ import torch
 
 from .backends.attention.registry import get_backend
 from .capture import ModelInfo, capture, model_info
-from .compile_cache import Compiled, cached_compile, folder_digest, key_parts, options_json, use_inductor_cache
+from .compile_cache import (Compiled, cached_compile, folder_digest, key_parts, off_by_env, options_json,
+                            use_inductor_cache)
 from .config import OptimizeConfig
 from .config.tensor_parallel import check_model as check_tensor_parallel_model
 from .passes import default_passes
@@ -126,8 +127,7 @@ def _compile(model: torch.nn.Module, tokenizer, info: ModelInfo, config: Optimiz
 
 def _cache_root(config: OptimizeConfig, group: RankGroup | None) -> tuple[Path | None, str | None]:
     """``(root, None)`` when the compile cache is used (root None: the default one), else ``(None, why not)``."""
-    if config.compile_cache is False or (config.compile_cache is True and os.environ.get("DEVIN_COMPILE_CACHE_OFF")
-                                          not in (None, "", "0")):
+    if config.compile_cache is False or (config.compile_cache is True and off_by_env()):
         return None, "off"
     for on, why in ((group is not None or config.tensor_parallel > 1, "tensor parallel"),
                     (config.dump_dir is not None, "dumping passes"), (config.keep_quant_result, "keep_quant_result")):

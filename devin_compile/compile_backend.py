@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .compile_cache import use_inductor_cache
+from .compile_cache import off_by_env, use_inductor_cache
 from .config import OptimizeConfig
 from .passes.cleanup import Cleanup, remove_noops
 from .pipeline import PassContext, PassManager, PassReport, Program
@@ -78,7 +77,7 @@ def devin_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: 
     patches = dict(options.get("inductor") or {})
     patches.setdefault("post_grad_custom_post_pass", _PostGradCleanup())
     passes_s = time.perf_counter() - start
-    if os.environ.get("DEVIN_COMPILE_CACHE_OFF") in (None, "", "0"):
+    if not off_by_env():
         use_inductor_cache()  # Inductor's generated code under $DEVIN_COMPILE_CACHE/inductor (see compile_cache)
     before = _cache_counts()
     compiled = compile_fx(gm, example_inputs, config_patches=patches)

@@ -17,7 +17,7 @@ from .cached_compile import cached_compile
 from .inductor_cache import inductor_dir, use_inductor_cache
 from .key import KeyParts, folder_digest, key_parts, options_json, versions
 from .program_file import Compiled, NotCacheable
-from .store import ProgramStore
+from .store import ProgramStore, off_by_env
 
 __all__ = ["Compiled", "KeyParts", "NotCacheable", "ProgramStore", "cached_compile", "folder_digest", "inductor_dir",
-           "key_parts", "options_json", "use_inductor_cache", "versions"]
+           "key_parts", "off_by_env", "options_json", "use_inductor_cache", "versions"]

@@ -48,6 +48,11 @@ class EntryInfo:
     parts: dict
 
 
+def off_by_env() -> bool:
+    """``DEVIN_COMPILE_CACHE_OFF`` set to anything but empty or 0: the cache is off unless a folder is passed."""
+    return os.environ.get("DEVIN_COMPILE_CACHE_OFF") not in (None, "", "0")
+
+
 def max_bytes() -> int:
     text = os.environ.get("DEVIN_COMPILE_CACHE_MAX_BYTES")
     if text is None:
