@@ -34,7 +34,7 @@ __all__ = ["CKernel", "TorchOpKernel", "CompilerMissing", "VARIANTS", "build", "
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "cpu_kernels.h", HERE / "cpu_torch_op.h")
+HEADERS = (HERE / "cpu_kernels.h", HERE / "cpu_torch_op.h", HERE / "cpu_paged_decode_avx512.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
 CXX_FLAGS = ["-O2", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _C = ("CC", "cc", "gcc")

@@ -12,11 +12,14 @@
  *   out  [rows, Hq, Dv]             written at the same rows as q, in q's dtype
  *
  * Work is split into tasks of (sequence, chunk of `chunk` keys), so one long sequence
- * still fills every thread (split-K, as flash-decoding does). A task reads its slots' whole
- * rows (every KV head: contiguous in the pool), converts each to float32 once, serves all G
- * query heads of a KV head from it (grouped-query attention without repeats), and keeps a
- * numerically stable partial softmax (max, sum, weighted values) per KV head; a second
- * parallel loop merges a sequence's chunks by their log-sum-exp. All arithmetic is float32.
+ * still fills every thread (split-K, as flash-decoding does). A task serves all G query heads
+ * of a KV head from each key and value row it reads (grouped-query attention without repeats)
+ * and keeps a numerically stable partial softmax (max, sum, weighted values) per KV head; a
+ * second parallel loop merges a sequence's chunks by their log-sum-exp. All arithmetic is float32.
+ * Two task bodies: with AVX-512 and head dims in whole 16-lane vectors, cpu_paged_decode_avx512.h
+ * reads the rows in place (16 keys' scores per reduction, bf16 keys by pair products, the next
+ * keys' rows prefetched); otherwise the portable task below copies the chunk's whole slot rows
+ * (every KV head: contiguous in the pool) to float32 once and works from that copy.
  */
 #include <math.h>
 #include <stdint.h>
@@ -199,6 +202,22 @@ static void attend_chunk(const float *restrict qf, int group, int w, int D, int 
     }
 }
 
+#ifdef HAVE_AVX512
+#include "cpu_paged_decode_avx512.h"
+
+/* attend_task16 specialised per dtype (its loads are inlined with dt a constant) */
+static void attend_task16_any(const DecodeArgs *a, int b, int j0, int w, int dt, int64_t *kofs, int64_t *vofs,
+                              float *qf, float *s, float *partial, int64_t part_stride, float *probs,
+                              int64_t probs_stride) {
+    if (dt == DT_BF16)
+        attend_task16(a, b, j0, w, DT_BF16, kofs, vofs, qf, s, partial, part_stride, probs, probs_stride);
+    else if (dt == DT_F16)
+        attend_task16(a, b, j0, w, DT_F16, kofs, vofs, qf, s, partial, part_stride, probs, probs_stride);
+    else
+        attend_task16(a, b, j0, w, DT_F32, kofs, vofs, qf, s, partial, part_stride, probs, probs_stride);
+}
+#endif
+
 /* Returns 0, or a negative code for arguments the kernel does not take. */
 int devin_paged_decode_attention(
     const void *q, int64_t q_row_stride, int64_t q_head_stride, const int64_t *q_rows,
@@ -246,7 +265,42 @@ int devin_paged_decode_attention(
     for (int b = 0; b < n; b++)
         for (int64_t c = first[b]; c < first[b + 1]; c++) task_seq[c] = b;
     int failed = 0;
+#ifdef HAVE_AVX512
+    /* head dims in whole 16-lane vectors: the AVX-512 task, reading keys and values in place */
+    const int wide = head_dim % 16 == 0 && v_head_dim % 16 == 0;
+    const DecodeArgs args = {q, q_row_stride, q_head_stride, q_rows, k_cache, k_block_stride, k_slot_stride,
+                             k_head_stride, v_cache, v_block_stride, v_slot_stride, v_head_stride, tables,
+                             table_stride, num_kv_heads, group, head_dim, v_head_dim, block_size, scale};
+    if (wide) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t *ofs = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)chunk);
+            float *s = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)group);
+            float *qf = (float *)malloc(sizeof(float) * (size_t)group * (size_t)head_dim);
+            if (!ofs || !s || !qf) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t c = 0; c < nchunks; c++) {
+                if (!ofs || !s || !qf) continue;
+                const int b = task_seq[c];
+                const int j0 = (int)(c - first[b]) * chunk;
+                const int w = (j0 + chunk < lens[b] ? j0 + chunk : lens[b]) - j0;
+                attend_task16_any(&args, b, j0, w, dtype, ofs, ofs + chunk, qf, s, partial + c * num_kv_heads * part,
+                                  part, probs ? probs + c * num_kv_heads * group * chunk : NULL,
+                                  (int64_t)group * chunk);
+            }
+            free(ofs);
+            free(s);
+            free(qf);
+        }
+    }
+#else
+    const int wide = 0;
+#endif
 
+    if (!wide) /* the portable task: the chunk gathered to float32 first */
 #pragma omp parallel num_threads(num_threads)
     {
         /* per-thread scratch: this chunk's keys and values (all KV heads) in float32, scores, queries */
