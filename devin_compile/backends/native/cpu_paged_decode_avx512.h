@@ -29,11 +29,12 @@ typedef struct {
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* rows to prefetch while a task computes: whole slot rows (every KV head) of keys and values */
+/* slot rows to prefetch into L2, a few at a time, while a task computes: whole rows (every KV
+ * head) of keys and values; ``done`` rows so far, ``step`` more per call of prefetch_more */
 typedef struct {
     const char *k, *v;
     const int64_t *kofs, *vofs; /* element offsets of each key's slot row */
-    int k_bytes, v_bytes, esize, w;
+    int k_bytes, v_bytes, esize, w, done, step;
 } Prefetch;
 
 /* prefetch keys [j0, j1) of pf (clipped to its w) into L2 */
@@ -42,6 +43,12 @@ ALWAYS_INLINE void prefetch_rows(const Prefetch *pf, int j0, int j1) {
         for (int b = 0; b < pf->k_bytes; b += 64) _mm_prefetch(pf->k + pf->kofs[j] * pf->esize + b, _MM_HINT_T1);
         for (int b = 0; b < pf->v_bytes; b += 64) _mm_prefetch(pf->v + pf->vofs[j] * pf->esize + b, _MM_HINT_T1);
     }
+}
+
+ALWAYS_INLINE void prefetch_more(Prefetch *pf) {
+    if (!pf || pf->done >= pf->w) return;
+    prefetch_rows(pf, pf->done, pf->done + pf->step);
+    pf->done += pf->step;
 }
 
 /* sixteen elements at base + off (dtype dt) as float32 */
@@ -75,12 +82,11 @@ ALWAYS_INLINE __m512 sum_each16(const __m512 *t) {
 /* The scores of G query heads against w keys, sixteen keys at a time (the sixteen rows stay in
  * L1 while every query head reads them): s[g][j] = q_g · key j, key j's row at cache + off[j].
  * Query head g at q + g * q_stride: float32 and pre-scaled (dot16), or bf16 and unscaled with
- * scale applied to the sums (dot16_bf16). With pf, each block prefetches the slot rows of the
- * next sixteen keys to L2: the first head's pass over the keys brings in what every head reads. */
+ * scale applied to the sums (dot16_bf16). Each block of keys moves the prefetch pf (if any) on. */
 #define SCORES_BLOCKS(DOT, SCALE)                                                                           \
     for (int j = 0; j < w; j += 16) {                                                                       \
         const int m = w - j < 16 ? w - j : 16;                                                              \
-        if (pf) prefetch_rows(pf, j + 16, j + 32);                                                          \
+        prefetch_more(pf);                                                                                  \
         for (int g = 0; g < G; g++) {                                                                       \
             __m512 t[16];                                                                                   \
             _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) t[i] =                                    \
@@ -98,7 +104,7 @@ ALWAYS_INLINE __m512 dot16(const float *q, const void *cache, int64_t off, int D
 
 #define AS_IS(x) (x)
 ALWAYS_INLINE void scores16(const float *restrict q, int64_t q_stride, int G, const void *cache,
-                            const int64_t *restrict off, int w, int D, int dt, float *restrict s, const Prefetch *pf) {
+                            const int64_t *restrict off, int w, int D, int dt, float *restrict s, Prefetch *pf) {
     SCORES_BLOCKS(dot16, AS_IS)
 }
 
@@ -115,7 +121,7 @@ ALWAYS_INLINE __m512 dot16_bf16(const uint16_t *q, const void *cache, int64_t of
 
 #define TIMES_SCALE(x) _mm512_mul_ps((x), vscale)
 ALWAYS_INLINE void scores16_bf16(const uint16_t *restrict q, int64_t q_stride, int G, float scale, const void *cache,
-                                 const int64_t *restrict off, int w, int D, float *restrict s, const Prefetch *pf) {
+                                 const int64_t *restrict off, int w, int D, float *restrict s, Prefetch *pf) {
     const int dt = DT_BF16;
     const __m512 vscale = _mm512_set1_ps(scale);
     SCORES_BLOCKS(dot16_bf16, TIMES_SCALE)
@@ -176,15 +182,11 @@ ALWAYS_INLINE void weighted16(const float *restrict s, int w, int G, const void 
     }
 }
 
-/* One task: keys j0 .. j0+w-1 of sequence b, every KV head. part_h(h) = partial + h * part_stride
- * receives m[G], l[G], acc[G][Dv]; with probs, [G][chunk] per head at probs + h * probs_stride gets
- * exp(score - m). Scratch: kofs/vofs [w], qf [G][D], s [G][w]. */
-ALWAYS_INLINE void attend_task16(const DecodeArgs *a, int b, int j0, int w, int dt, int64_t *restrict kofs,
-                                 int64_t *restrict vofs, float *restrict qf, float *restrict s, float *partial,
-                                 int64_t part_stride, float *probs, int64_t probs_stride) {
+/* kofs/vofs[j]: the element offset of the slot row (head 0) of key j0 + j of sequence b, j < w */
+static inline void task_rows(const DecodeArgs *a, int b, int j0, int w, int64_t *restrict kofs,
+                             int64_t *restrict vofs) {
     const int32_t *table = a->tables + (int64_t)b * a->table_stride;
-    const int G = a->group, D = a->head_dim, DV = a->v_head_dim, esize = dt == DT_F32 ? 4 : 2;
-    for (int j = 0; j < w;) { /* each key's row: block by block (one division per block) */
+    for (int j = 0; j < w;) { /* block by block: one division per block */
         const int blk = table[(j0 + j) / a->block_size];
         const int64_t kb = (int64_t)blk * a->k_block_stride, vb = (int64_t)blk * a->v_block_stride;
         for (int o = (j0 + j) % a->block_size; o < a->block_size && j < w; o++, j++) {
@@ -192,14 +194,30 @@ ALWAYS_INLINE void attend_task16(const DecodeArgs *a, int b, int j0, int w, int 
             vofs[j] = vb + (int64_t)o * a->v_slot_stride;
         }
     }
-    /* whole slot rows of the first keys now, the next ones while the first head's scores run */
-    const int last = a->num_kv_heads - 1;
-    const Prefetch rows = {(const char *)a->k, (const char *)a->v, kofs, vofs,
-                           (int)((last * a->k_head_stride + D) * esize), (int)((last * a->v_head_stride + DV) * esize),
-                           esize, w};
-    prefetch_rows(&rows, 0, 16);
+}
+
+/* A Prefetch of the whole slot rows at kofs/vofs (w keys), ``step`` rows per call */
+static inline Prefetch slot_rows(const DecodeArgs *a, int dt, const int64_t *kofs, const int64_t *vofs, int w,
+                                 int step) {
+    const int esize = dt == DT_F32 ? 4 : 2, last = a->num_kv_heads - 1;
+    const Prefetch pf = {(const char *)a->k, (const char *)a->v, kofs, vofs,
+                         (int)((last * a->k_head_stride + a->head_dim) * esize),
+                         (int)((last * a->v_head_stride + a->v_head_dim) * esize), esize, w, 0, step > 0 ? step : 1};
+    return pf;
+}
+
+/* One task: w keys of sequence b (slot rows at kofs/vofs, from task_rows; both are moved on by
+ * one head per head). partial + h * part_stride receives m[G], l[G], acc[G][Dv] of KV head h; with
+ * probs, [G][chunk] per head at probs + h * probs_stride gets exp(score - m). Scratch: qf [G][D],
+ * s [G][w]. Prefetching: own (the task's first head pass, when nothing fetched its rows before)
+ * and next (the rows of the task this thread takes next, spread over this task's work). */
+ALWAYS_INLINE void attend_task16(const DecodeArgs *a, int b, int w, int dt, int64_t *restrict kofs,
+                                 int64_t *restrict vofs, float *restrict qf, float *restrict s, float *partial,
+                                 int64_t part_stride, float *probs, int64_t probs_stride, Prefetch *own,
+                                 Prefetch *next) {
+    const int G = a->group, D = a->head_dim, DV = a->v_head_dim;
     for (int h = 0; h < a->num_kv_heads; h++) {
-        const Prefetch *pf = h == 0 ? &rows : NULL;
+        Prefetch *pf = h == 0 && own ? own : next;
         float *pp = partial + h * part_stride;
         const int64_t q_off = a->q_rows[b] * a->q_row_stride + (int64_t)h * G * a->q_head_stride;
 #ifdef __AVX512BF16__
