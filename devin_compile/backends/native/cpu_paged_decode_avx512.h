@@ -8,7 +8,8 @@
  * every query head of the tile from registers. Arithmetic is float32, as in the portable path;
  * only the summation order differs.
  *
- * Included by cpu_paged_decode.c (which defines exp_shifted) where HAVE_AVX512 is set. */
+ * Included by cpu_paged_decode.c (which defines exp_shifted) where HAVE_AVX512 is set; its entry
+ * is run_tasks16. */
 #ifndef DEVIN_CPU_PAGED_DECODE_AVX512_H
 #define DEVIN_CPU_PAGED_DECODE_AVX512_H
 
@@ -245,6 +246,74 @@ ALWAYS_INLINE void attend_task16(const DecodeArgs *a, int b, int w, int dt, int6
             vofs[j] += a->v_head_stride;
         }
     }
+}
+
+/* attend_task16 specialised per dtype (its loads are inlined with dt a constant) */
+static void attend_task16_any(const DecodeArgs *a, int b, int w, int dt, int64_t *kofs, int64_t *vofs, float *qf,
+                              float *s, float *partial, int64_t part_stride, float *probs, int64_t probs_stride,
+                              Prefetch *own, Prefetch *next) {
+    if (dt == DT_BF16)
+        attend_task16(a, b, w, DT_BF16, kofs, vofs, qf, s, partial, part_stride, probs, probs_stride, own, next);
+    else if (dt == DT_F16)
+        attend_task16(a, b, w, DT_F16, kofs, vofs, qf, s, partial, part_stride, probs, probs_stride, own, next);
+    else
+        attend_task16(a, b, w, DT_F32, kofs, vofs, qf, s, partial, part_stride, probs, probs_stride, own, next);
+}
+
+/* The tasks on every thread: each thread claims its next task before working on the current one
+ * and prefetches that task's rows while it works (dynamic scheduling with one task of lookahead). */
+static int run_tasks16(const DecodeArgs *a, int dt, const int64_t *first, const int32_t *task_seq,
+                       const int32_t *lens, int64_t nchunks, int chunk, float *partial, int64_t part, float *probs,
+                       int num_threads) {
+    int failed = 0;
+    int64_t counter = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t *ofs = (int64_t *)malloc(sizeof(int64_t) * 4 * (size_t)chunk); /* this task's, the next's */
+        float *s = (float *)malloc(sizeof(float) * (size_t)chunk * (size_t)a->group);
+        float *qf = (float *)malloc(sizeof(float) * (size_t)a->group * (size_t)a->head_dim);
+        int64_t c, nc;
+#pragma omp atomic capture
+        c = counter++;
+        if (!ofs || !s || !qf) {
+#pragma omp atomic write
+            failed = 1;
+            c = nchunks;
+        }
+        int b = 0, w = 0, prefetched = 0, cur = 0;
+        if (c < nchunks) {
+            b = task_seq[c];
+            const int j0 = (int)(c - first[b]) * chunk;
+            w = (j0 + chunk < lens[b] ? j0 + chunk : lens[b]) - j0;
+            task_rows(a, b, j0, w, ofs, ofs + chunk);
+        }
+        while (c < nchunks) {
+#pragma omp atomic capture
+            nc = counter++;
+            int64_t *mine = ofs + 2 * cur * chunk, *theirs = ofs + 2 * (1 - cur) * chunk;
+            int nb = 0, nw = 0;
+            if (nc < nchunks) {
+                nb = task_seq[nc];
+                const int j0 = (int)(nc - first[nb]) * chunk;
+                nw = (j0 + chunk < lens[nb] ? j0 + chunk : lens[nb]) - j0;
+                task_rows(a, nb, j0, nw, theirs, theirs + chunk);
+            }
+            Prefetch own = slot_rows(a, dt, mine, mine + chunk, w, 16), next;
+            next = slot_rows(a, dt, theirs, theirs + chunk, nw, (nw + 1) / (a->num_kv_heads * ((w + 15) / 16)) + 1);
+            if (!prefetched) { /* the first task: its first rows now, the rest one block ahead */
+                prefetch_rows(&own, 0, 16);
+                own.done = 16;
+            }
+            attend_task16_any(a, b, w, dt, mine, mine + chunk, qf, s, partial + c * a->num_kv_heads * part, part,
+                              probs ? probs + c * a->num_kv_heads * a->group * chunk : NULL,
+                              (int64_t)a->group * chunk, prefetched ? NULL : &own, nc < nchunks ? &next : NULL);
+            c = nc, b = nb, w = nw, cur = 1 - cur, prefetched = 1;
+        }
+        free(ofs);
+        free(s);
+        free(qf);
+    }
+    return failed;
 }
 
 #endif
