@@ -1,12 +1,17 @@
 /* The AVX-512 task of cpu_paged_decode.c: every KV head of one sequence's chunk of keys, read
  * straight from the pool (no float32 copy of the chunk), for head dims that are multiples of 16.
  *
- * Scores: sixteen keys at a time, one 16-lane product per key (q · k over D in FMA steps), the
- * sixteen products reduced to one vector of sixteen scores by a transpose-and-add tree (no
- * horizontal sum per key). Weighted values: per tile of up to 64 value features and up to four
- * query heads of the group, each value row is loaded (and widened to float32) once and serves
- * every query head of the tile from registers. Arithmetic is float32, as in the portable path;
- * only the summation order differs.
+ * Scores: sixteen keys at a time, every query head of the group against the same sixteen rows
+ * (in L1), one 16-lane product per key (q · k over D in FMA steps; bf16 keys and query by
+ * vdpbf16ps pair products, exact in float32, the scale applied after), the sixteen products
+ * reduced to one vector of sixteen scores by a transpose-and-add tree (no horizontal sum per
+ * key). Weighted values: per tile of up to 64 value features and up to four query heads, each
+ * value row is loaded (and widened to float32) once and serves every query head of the tile from
+ * registers. Arithmetic is float32, as in the portable path; only the summation order differs.
+ * Memory: each thread claims its next task before working on the current one and prefetches that
+ * task's slot rows (keys and values, every head) into L2 a few rows per block of work, so the
+ * reads of the next task overlap this one's arithmetic (a step's K/V come from DRAM: 30 layers of
+ * a 64-sequence batch are far larger than the caches).
  *
  * Included by cpu_paged_decode.c (which defines exp_shifted) where HAVE_AVX512 is set; its entry
  * is run_tasks16. */
