@@ -32,11 +32,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ...config.tensor_parallel import TensorParallelSpec
+from ...capture import ModelInfo
+from ...config.tensor_parallel import HeadShard, TensorParallelSpec
 from ...graph_utils import counted_nodes, eliminate_dead_code, linear_bias, node_delta
 from ...pipeline import Pass, PassContext, PassError, PassResult
 from .plan import AttentionShard, ExpertsShard, ShardPlan, module_of, plan_shards
 from .rewrite import column_parallel, keep, refresh_shapes, row_parallel, sum_over_ranks, tensor_of
+from .vocab import VocabShard, plan_vocab, split_vocab, vocab_params
 
 
 class ShardTensorParallel(Pass):
@@ -58,43 +60,70 @@ class ShardTensorParallel(Pass):
         before = counted_nodes(gm)
         eliminate_dead_code(gm)  # export's shape asserts would check the unsplit sizes
         plan = plan_shards(gm)
-        full = _weight_bytes(gm, plan)
-        changed: set[torch.fx.Node] = set()
-        D = info.head_dim
-        for layer in plan.attention:
-            _check_widths(gm, layer, info.num_heads * D, info.num_kv_heads * D)
-            q_cols = range(heads.q.start * D, heads.q.stop * D)
-            column_parallel(gm, layer.q, q_cols)
-            for lin in (layer.k, layer.v):
-                column_parallel(gm, lin, range(heads.kv.start * D, heads.kv.stop * D))
-            changed.update(_head_constants(gm, layer.attention, heads.q))
-            changed.update(_params(layer.q, layer.k, layer.v, layer.o))
-            row_parallel(gm, layer.o, q_cols, spec.group_name)
-        for mlp in plan.mlps:
-            width = tensor_of(gm, mlp.row.args[1]).shape[1]
-            if width % spec.world_size:
-                raise PassError(f"{mlp.path}: intermediate size {width} does not split over "
-                                f"tensor_parallel={spec.world_size} ranks")
-            for lin in mlp.columns:
-                if tensor_of(gm, lin.args[1]).shape[0] != width:
-                    raise PassError(f"{module_of(lin)}: {tensor_of(gm, lin.args[1]).shape[0]} output features, but "
-                                    f"{module_of(mlp.row)} reads {width}; cannot split them alike")
-                column_parallel(gm, lin, spec.rows(width))
-            changed.update(_params(*mlp.columns, mlp.row))
-            row_parallel(gm, mlp.row, spec.rows(width), spec.group_name)
+        vocab, whole_lookups = plan_vocab(gm, plan.heads)  # planned (and refused) before any weight is split
+        full = _weight_bytes(gm, plan, vocab)
+        changed = _split_layers(gm, plan, spec, heads, info)
         for block in plan.experts:
             changed.update(_split_experts(gm, block, spec))
+        for table in vocab:
+            changed.update(split_vocab(gm, table, spec))
         refresh_shapes(gm, changed)
-        local = _weight_bytes(gm, plan)
+        local = _weight_bytes(gm, plan, vocab)
         n_row = len(plan.attention) + len(plan.mlps)
         moe = (f", {len(plan.experts)} expert blocks split by intermediate features ({len(plan.experts)} all_reduce, "
                "routers replicated)") if plan.experts else ""
         return PassResult(
-            matches=len(plan.linears()) + len(plan.experts),
+            matches=len(plan.linears()) + len(plan.experts) + len(vocab),
             note=(f"rank {spec.rank}/{spec.world_size}: {len(plan.linears()) - n_row} column-parallel and {n_row} "
                   f"row-parallel linears ({n_row} all_reduce){moe}, {len(heads.q)} query / {len(heads.kv)} KV heads "
-                  f"per layer, {len(plan.replicated)} logits linear replicated; split weights {local} of {full} "
+                  f"per layer, {_vocab_note(vocab, whole_lookups, spec)}; split weights {local} of {full} "
                   f"bytes on this rank; {node_delta(gm, before)}"))
+
+
+def _split_layers(gm: torch.fx.GraphModule, plan: ShardPlan, spec: TensorParallelSpec, heads: HeadShard,
+                  info: ModelInfo) -> set[torch.fx.Node]:
+    """Attention layers by heads and MLPs by intermediate features (column then row parallel); the
+    ``get_attr`` nodes whose tensors changed."""
+    changed: set[torch.fx.Node] = set()
+    D = info.head_dim
+    for layer in plan.attention:
+        _check_widths(gm, layer, info.num_heads * D, info.num_kv_heads * D)
+        q_cols = range(heads.q.start * D, heads.q.stop * D)
+        column_parallel(gm, layer.q, q_cols)
+        for lin in (layer.k, layer.v):
+            column_parallel(gm, lin, range(heads.kv.start * D, heads.kv.stop * D))
+        changed.update(_head_constants(gm, layer.attention, heads.q))
+        changed.update(_params(layer.q, layer.k, layer.v, layer.o))
+        row_parallel(gm, layer.o, q_cols, spec.group_name)
+    for mlp in plan.mlps:
+        width = tensor_of(gm, mlp.row.args[1]).shape[1]
+        if width % spec.world_size:
+            raise PassError(f"{mlp.path}: intermediate size {width} does not split over "
+                            f"tensor_parallel={spec.world_size} ranks")
+        for lin in mlp.columns:
+            if tensor_of(gm, lin.args[1]).shape[0] != width:
+                raise PassError(f"{module_of(lin)}: {tensor_of(gm, lin.args[1]).shape[0]} output features, but "
+                                f"{module_of(mlp.row)} reads {width}; cannot split them alike")
+            column_parallel(gm, lin, spec.rows(width))
+        changed.update(_params(*mlp.columns, mlp.row))
+        row_parallel(gm, mlp.row, spec.rows(width), spec.group_name)
+    return changed
+
+
+def _vocab_note(vocab: list[VocabShard], whole_lookups: int,
+                spec: TensorParallelSpec) -> str:
+    """The report's words on the vocabulary split: rows per rank, collectives, lookups left whole."""
+    parts = []
+    for table in vocab:
+        rows, per = spec.vocab_rows(table.size)
+        what = " + ".join(x for x in (f"{len(table.heads)} logits linear" if table.heads else "",
+                                      f"{len(table.lookups)} embedding" if table.lookups else "") if x)
+        tied = " (tied: one shard)" if table.heads and table.lookups else ""
+        pad = f", {per - len(rows)} of them zero padding here" if per > len(rows) else ""
+        parts.append(f"{what}{tied} vocab-parallel ({per} of {table.size} rows per rank{pad})")
+    collectives = sum(len(t.heads) for t in vocab), sum(len(t.lookups) for t in vocab)
+    return (", ".join(parts) + f" ({collectives[0]} all_gather, {collectives[1]} all_reduce), "
+            f"{whole_lookups} other embedding lookups replicated")
 
 
 def _split_experts(gm: torch.fx.GraphModule, block: ExpertsShard, spec: TensorParallelSpec) -> list[torch.fx.Node]:
@@ -115,10 +144,12 @@ def _params(*linears: torch.fx.Node) -> list[torch.fx.Node]:
     return [n for lin in linears for n in (lin.args[1], linear_bias(lin)) if isinstance(n, torch.fx.Node)]
 
 
-def _weight_bytes(gm: torch.fx.GraphModule, plan: ShardPlan) -> int:
-    """Bytes of the weights (and biases) of the linears the plan splits."""
+def _weight_bytes(gm: torch.fx.GraphModule, plan: ShardPlan, vocab: list[VocabShard]) -> int:
+    """Bytes of the weights (and biases) the pass splits: the plan's linears and experts, and the
+    vocabulary tables (a tied table counted once)."""
     nodes = set(_params(*plan.linears())) | {n for e in plan.experts for n in (e.gate_up, e.down)}
-    return sum(tensor_of(gm, n).nbytes for n in nodes)
+    tensors = {id(t): t for t in (tensor_of(gm, n) for n in (*nodes, *vocab_params(vocab)))}
+    return sum(t.nbytes for t in tensors.values())
 
 
 def _check_widths(gm: torch.fx.GraphModule, layer: AttentionShard, q_width: int, kv_width: int) -> None:
