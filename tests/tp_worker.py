@@ -69,14 +69,15 @@ def build(case: str, seed: int = 0) -> torch.nn.Module:
 
 def workload(opt, case: str = "") -> dict:
     """Greedy tokens (two generate calls), full-sequence logits, the KV heads of this rank's pool and
-    the report notes of shard_tensor_parallel and fuse_moe_experts."""
+    the report notes of shard_tensor_parallel, fuse_moe_experts and pack_gemm_linears."""
     prompts = SMOLLM2_PROMPTS if case == "smollm2" else PROMPTS
     first = opt.generate(prompts, max_new_tokens=8, ignore_eos=True)
     second = opt.generate([prompts[1]], max_new_tokens=5, ignore_eos=True)
     logits = opt(torch.tensor([prompts[1]])).logits[0]
     notes = {r.name: r.note for r in opt.pass_report.records}
     return dict(tokens=first + second, logits=logits.tolist(), kv_heads=opt.engine.runner.kv_cache.spec.num_kv_heads,
-                note=notes.get("shard_tensor_parallel", ""), experts_note=notes.get("fuse_moe_experts", ""))
+                note=notes.get("shard_tensor_parallel", ""), experts_note=notes.get("fuse_moe_experts", ""),
+                pack_note=notes.get("pack_gemm_linears", ""))
 
 
 def feature_workload(opt) -> dict:

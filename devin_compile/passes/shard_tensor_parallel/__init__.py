@@ -9,6 +9,9 @@ Pattern → replacement, per attention layer (``devin::paged_attention`` over q 
     down  = linear(h, W_d[, b])     →  wait(all_reduce(linear(h, W_d[:, rank's I/N cols]), sum))[+ b]
     experts: W_gate_up [E, 2F, H]   →  W_gate_up[:, rank's F/N gate rows ++ its F/N up rows]
              W_down [E, H, F]       →  W_down[:, :, rank's F/N cols];  out = slot sum → wait(all_reduce(out, sum))
+    logits = linear(h, W[V, H][, b]) → all ranks' linear(h, W[rank's ⌈V/N⌉ rows, zero-padded]) side by side
+                                       (wait(all_gather_into_tensor(·)) put back to [..., V])   # vocab-parallel
+    x = embedding(W, ids)           →  wait(all_reduce(embedding(W[rank's rows], ids − start), zero outside, sum))
 
 Rank r holds whole GQA groups (a contiguous run of KV heads and the query heads that read them; the
 first ``Hkv mod N`` ranks one group more, SmolLM2's 3 groups at N=2 as 2 + 1), or, with fewer KV heads
@@ -17,15 +20,21 @@ so each ``paged_attention`` sees the rank's query and KV heads, and the rank's K
 only those (the runtime builds it from the rank-local ``ModelInfo``). Per-head constants of the op
 (ALiBi slopes, attention sinks) keep the rank's heads. Routed experts (Mixtral & co.) keep every
 expert on every rank with 1/N of its intermediate features; the router stays whole, so each rank
-routes every token exactly as one process does. Embeddings, norms and the logits linear stay
-whole on every rank (replicated: every rank computes the full logits; rank 0 samples them).
+routes every token exactly as one process does. The logits linear and the token embedding are
+vocab-parallel (``vocab.py``): rank r keeps rows [r·S, (r+1)·S) of their tables, S = ⌈V/N⌉ (padded
+with zero rows); every rank gathers the full logits (rank 0 samples them); a table tied to both
+(SmolLM2) is one shard that both read. Norms (and other embedding lookups, e.g. learned positions)
+stay whole on every rank.
 The collectives are ``torch.ops._c10d_functional`` (gloo on CPU, NCCL on CUDA) over the process
 group named in :class:`~devin_compile.config.tensor_parallel.TensorParallelSpec`.
 
 Invariant: the sum over ranks of each row-parallel linear's partial output equals the unsplit
-linear's output (up to float summation order), so every rank's logits match one process. A linear
-that is none of the above, a fused q/k/v projection, or a view that hard-codes a head count is a
-:class:`PassError` naming the module; nothing is replicated silently.
+linear's output (up to float summation order), the gathered logits and summed embedding rows are
+the unsplit ones, so every rank's logits match one process. A linear that is none of the above, a
+fused q/k/v projection, a vocabulary table read by anything but logits linears and embedding lookups,
+or a view that hard-codes a head count is a :class:`PassError` naming the module; nothing is
+replicated silently. The report gives the bytes of every split weight (vocabulary tables included,
+a tied one once) on this rank and unsplit.
 """
 from __future__ import annotations
 
@@ -110,20 +119,20 @@ def _split_layers(gm: torch.fx.GraphModule, plan: ShardPlan, spec: TensorParalle
     return changed
 
 
-def _vocab_note(vocab: list[VocabShard], whole_lookups: int,
-                spec: TensorParallelSpec) -> str:
-    """The report's words on the vocabulary split: rows per rank, collectives, lookups left whole."""
+def _vocab_note(vocab: list[VocabShard], whole_lookups: int, spec: TensorParallelSpec) -> str:
+    """The report's words on the vocabulary split: what each table serves, its rows per rank, the
+    collectives, the lookups left whole."""
     parts = []
     for table in vocab:
         rows, per = spec.vocab_rows(table.size)
         what = " + ".join(x for x in (f"{len(table.heads)} logits linear" if table.heads else "",
                                       f"{len(table.lookups)} embedding" if table.lookups else "") if x)
         tied = " (tied: one shard)" if table.heads and table.lookups else ""
-        pad = f", {per - len(rows)} of them zero padding here" if per > len(rows) else ""
-        parts.append(f"{what}{tied} vocab-parallel ({per} of {table.size} rows per rank{pad})")
-    collectives = sum(len(t.heads) for t in vocab), sum(len(t.lookups) for t in vocab)
-    return (", ".join(parts) + f" ({collectives[0]} all_gather, {collectives[1]} all_reduce), "
-            f"{whole_lookups} other embedding lookups replicated")
+        pad = f", {per - len(rows)} zero padding row(s) here" if per > len(rows) else ""
+        parts.append(f"{what}{tied} split by vocabulary rows, {per} of {table.size} per rank{pad}")
+    gathers, reduces = sum(len(t.heads) for t in vocab), sum(len(t.lookups) for t in vocab)
+    return f"{'; '.join(parts)} ({gathers} all_gather, {reduces} all_reduce), {whole_lookups} other embedding " \
+           "lookups replicated"
 
 
 def _split_experts(gm: torch.fx.GraphModule, block: ExpertsShard, spec: TensorParallelSpec) -> list[torch.fx.Node]:
