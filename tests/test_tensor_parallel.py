@@ -291,6 +291,9 @@ def test_pass_names_a_fused_qkv_layer():
      "tensor_parallel=2 but the process group has 1 ranks"),
     (dict(tensor_parallel=2), {}, r"launch with `torchrun --nproc-per-node 2`"),
     (dict(tensor_parallel=2, verify=True), {}, "tensor_parallel=2 with verify= is not supported yet"),
+    # offload_embeddings would move the vocab-parallel head and embedding: refused with tensor parallelism
+    (dict(tensor_parallel=2, offload_layers=["embed_tokens", "lm_head"]), {},
+     "tensor_parallel=2 with offload_layers= is not supported yet"),
     (dict(tensor_parallel=2, quantization={"method": "rtn", "bits": 4, "group_size": 32}), {},
      r"tensor_parallel=2 with quantization= is not supported yet: INT4/FP8 weights .* drop quantization="),
     (dict(tensor_parallel=0), {}, "tensor_parallel=0 must be an integer >= 1"),

@@ -92,9 +92,10 @@ def _table(gm: torch.fx.GraphModule, table: torch.Tensor) -> VocabShard:
         raise PassError(f"{weights[0].target}: a vocabulary table of shape {tuple(table.shape)}, expected [V, H]")
     for head in heads:
         bias = linear_bias(head)
-        if bias is not None and not (isinstance(bias, torch.fx.Node) and bias.op == "get_attr"):
-            raise PassError(f"{module_of(head)}: the logits linear's bias is not a weight of the graph; "
-                            "cannot split it by vocabulary rows")
+        alone = isinstance(bias, torch.fx.Node) and bias.op == "get_attr" and len(bias.users) == 1
+        if bias is not None and not alone:
+            raise PassError(f"{module_of(head)}: the logits linear's bias is not a weight of the graph that it alone "
+                            "reads; cannot split it by vocabulary rows")
     return VocabShard(weights, heads, lookups, table.shape[0])
 
 
