@@ -131,6 +131,8 @@ def _vocab_note(vocab: list[VocabShard], whole_lookups: int, spec: TensorParalle
         pad = f", {per - len(rows)} zero padding row(s) here" if per > len(rows) else ""
         parts.append(f"{what}{tied} split by vocabulary rows, {per} of {table.size} per rank{pad}")
     gathers, reduces = sum(len(t.heads) for t in vocab), sum(len(t.lookups) for t in vocab)
+    if not parts:
+        return f"no vocabulary table split, {whole_lookups} embedding lookups replicated"
     return f"{'; '.join(parts)} ({gathers} all_gather, {reduces} all_reduce), {whole_lookups} other embedding " \
            "lookups replicated"
 
