@@ -23,6 +23,7 @@ import torch.distributed as dist
 import devin_compile as dc
 from devin_compile.capture import capture, model_info
 from devin_compile.config.tensor_parallel import TensorParallelSpec, head_shard
+from devin_compile.graph_utils import add_call
 from devin_compile.passes import AttentionToPaged, ShardTensorParallel
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 
@@ -88,6 +89,8 @@ def test_two_ranks_match_one_process(ranks, case):
     assert [r[case]["experts_note"] for r in ranks] == [ref["experts_note"]] * 2
     if case == "mixtral":
         assert "prefill: 2 MoE expert blocks fused" in ref["experts_note"]
+    tied = "tied embedding reads the packed head"  # pack_gemm_linears packs the rank's head shard as one process's
+    assert [tied in r[case]["pack_note"] for r in ranks] == [tied in ref["pack_note"]] * 2
 
 
 @pytest.mark.slow
@@ -126,26 +129,42 @@ def test_runtime_features_match_one_process(feature_ranks, run):
     assert feature_ranks[0][run] == ref  # rank 0 schedules: the same hits, preemptions and acceptance
 
 
+_VOCAB = re.compile(r"(embed_tokens|lm_head)\.(weight|bias)$")
+
+
+def _rank_bytes(name: str, p: torch.Tensor, heads, cfg) -> int:
+    """The bytes of parameter ``name`` on the rank holding ``heads``: its heads' share of q/k/v/o, half of an
+    MLP or expert weight, ⌈V/2⌉ rows of a vocabulary table (the head, the embedding; padded)."""
+    if _VOCAB.search(name):
+        return p.nbytes // p.shape[0] * -(-p.shape[0] // 2)
+    share = {"q": len(heads.q) / cfg.num_attention_heads, "o": len(heads.q) / cfg.num_attention_heads,
+             "k": len(heads.kv) / cfg.num_key_value_heads, "v": len(heads.kv) / cfg.num_key_value_heads}
+    return int(p.nbytes * share.get(name.split(".")[-2][0], 0.5))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bytes_and_kv_heads_per_rank(ranks, case):
     """Each rank holds its heads' share of q/k/v/o and 1/2 of the MLP (of every expert's, for mixtral), plus
-    whole copies of KV heads it shares (1 KV head, 2 ranks); its KV pool holds its own KV heads only."""
+    whole copies of KV heads it shares (1 KV head, 2 ranks), and ⌈V/2⌉ rows of the logits linear and the
+    token embedding (one table when tied, counted once); its KV pool holds its own KV heads only."""
     model = build(case)
     cfg = model.config
-    split = re.compile(r"_proj(\.weight|\.bias)?$")  # q/k/v/o, gate/up/down, experts.gate_up_proj / down_proj
-    full = sum(p.nbytes for n, p in model.named_parameters() if split.search(n))
+    split = re.compile(r"_proj(\.weight|\.bias)?$|" + _VOCAB.pattern)  # q/k/v/o, gate/up/down, experts, vocab
+    params = [(n, p) for n, p in model.named_parameters() if split.search(n)]  # a tied table once
+    full = sum(p.nbytes for _, p in params)
+    vocab = [p for n, p in params if _VOCAB.search(n)]
+    assert len(vocab) == (1 if cfg.tie_word_embeddings else 2)
     for rank, results in enumerate(ranks):
         heads = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, 2, rank)
-        share = {"q": len(heads.q) / cfg.num_attention_heads, "o": len(heads.q) / cfg.num_attention_heads,
-                 "k": len(heads.kv) / cfg.num_key_value_heads, "v": len(heads.kv) / cfg.num_key_value_heads}
-        expected = sum(int(p.nbytes * share.get(n.split(".")[-2][0], 0.5)) for n, p in model.named_parameters()
-                       if split.search(n))
+        expected = sum(_rank_bytes(n, p, heads, cfg) for n, p in params)
         got = results[case]
         local, total = map(int, re.search(r"split weights (\d+) of (\d+) bytes", got["note"]).groups())
         assert (local, total) == (expected, full)
         assert got["kv_heads"] == len(heads.kv)
         if heads.kv.stop - heads.kv.start == cfg.num_key_value_heads / 2:  # even split: about half of them
             assert 0.49 < local / full < 0.51
+        assert f"{-(-cfg.vocab_size // 2)} of {cfg.vocab_size} per rank" in got["note"]
+        assert ("tied: one shard" in got["note"]) == cfg.tie_word_embeddings
 
 
 def _sharded(case: str, rank: int):
@@ -159,12 +178,12 @@ def _sharded(case: str, rank: int):
 
 def test_pass_splits_heads_and_sums_row_parallel_outputs():
     """Rank 0's and rank 1's q rows and o columns put together are the model's; one all_reduce per
-    row-parallel linear; paged_attention sees 2 of 4 query heads and 1 of 2 KV heads."""
+    row-parallel linear (and the embedding's); paged_attention sees 2 of 4 query heads and 1 of 2 KV heads."""
     parts = [_sharded("llama", rank) for rank in range(2)]
     model = parts[0][0]
     for rank, (_, gm) in enumerate(parts):
         reduces = [n for n in gm.graph.nodes if n.target == torch.ops._c10d_functional.all_reduce.default]
-        assert len(reduces) == 2 * model.config.num_hidden_layers
+        assert len(reduces) == 2 * model.config.num_hidden_layers + 1  # + the vocab-parallel embedding's
         assert all(n.args[2] == "tp-test" for n in reduces)
         attn = [n for n in gm.graph.nodes if n.target == torch.ops.devin.paged_attention.default]
         assert [tuple(a.meta["val"].shape[1:]) for a in attn[0].args[:3]] == [(2, 16), (1, 16), (1, 16)]
@@ -179,7 +198,7 @@ def test_pass_splits_heads_and_sums_row_parallel_outputs():
 def test_pass_splits_every_expert_and_keeps_the_router():
     """Mixtral: each rank keeps every expert's gate and up rows of its half of the intermediate features
     (gate then up, as the graph chunks them) and the same down columns; the router stays whole; one
-    all_reduce per attention output and one per expert block."""
+    all_reduce per attention output, one per expert block (and the embedding's)."""
     parts = [_sharded("mixtral", rank) for rank in range(2)]
     model = parts[0][0]
     experts = model.model.layers[0].mlp.experts
@@ -196,7 +215,56 @@ def test_pass_splits_every_expert_and_keeps_the_router():
         torch.testing.assert_close(get[2](w), model.model.layers[0].mlp.gate.weight, rtol=0, atol=0)
     for _, gm in parts:
         reduces = [n for n in gm.graph.nodes if n.target == torch.ops._c10d_functional.all_reduce.default]
-        assert len(reduces) == 2 * model.config.num_hidden_layers
+        assert len(reduces) == 2 * model.config.num_hidden_layers + 1  # + the vocab-parallel embedding's
+
+
+@pytest.mark.parametrize("case", ["llama_tied", "llama_v251"])
+def test_pass_splits_the_vocabulary(case):
+    """The logits linear and the token embedding keep ⌈251/2⌉ = 126 rows per rank (rank 1's 125 and one zero
+    row), which put together are the model's tables; a tied table is one parameter on each rank that the
+    head and the lookup both read; one all_gather (the logits) and one more all_reduce (the embedding)."""
+    parts = [_sharded(case, rank) for rank in range(2)]
+    model = parts[0][0]
+    c10d = torch.ops._c10d_functional
+    aten = torch.ops.aten
+    readers = {"embed": (model.model.embed_tokens.weight, lambda n: n.target == aten.embedding.default and n.args[0]),
+               "head": (model.lm_head.weight, lambda n: n.target == aten.linear.default and n.args[1].target.endswith(
+                   "lm_head.weight") and n.args[1])}
+    for table, weight_of in readers.values():
+        shards = [gm.get_parameter(next(filter(None, map(weight_of, gm.graph.nodes))).target) for _, gm in parts]
+        assert [tuple(t.shape) for t in shards] == [(126, 64)] * 2
+        torch.testing.assert_close(torch.cat(shards)[:251], table, rtol=0, atol=0)
+        assert not shards[1][125:].any()
+    for _, gm in parts:
+        params = [n for n, p in gm.named_parameters() if p.shape[0] == 126]
+        assert len(params) == (1 if model.config.tie_word_embeddings else 2)
+        gathers = [n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default]
+        reduces = [n for n in gm.graph.nodes if n.target == c10d.all_reduce.default]
+        assert len(gathers) == 1 and len(reduces) == 2 * model.config.num_hidden_layers + 1
+        assert tuple(gathers[0].meta["val"].shape)[-1] == 126
+        assert [tuple(n.meta["val"].shape)[-1] for n in gm.graph.output_node().all_input_nodes] == [251]
+
+
+def test_pass_refuses_a_vocabulary_table_read_elsewhere():
+    """A tied table that another node reads too (here a sum of it added to the logits) cannot be split by rows
+    for the head and the embedding alone: a PassError naming the reader, before any weight is split."""
+    model = build("llama_tied")
+    gm, info = capture(model, info=model_info(model))
+    program = Program({"main": gm})
+    PassManager([AttentionToPaged()]).run(program, PassContext(info=info))
+    gm = program.main
+    table = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith("lm_head.weight"))
+    logits = gm.graph.output_node().all_input_nodes[0]
+    with gm.graph.inserting_after(logits):
+        total = add_call(gm.graph, torch.ops.aten.sum.default, (table,))
+    with gm.graph.inserting_after(total):
+        shifted = add_call(gm.graph, torch.ops.aten.add.Tensor, (logits, total))
+    logits.replace_all_uses_with(shifted, delete_user_cb=lambda u: u is not shifted)
+    shapes = {n: tuple(p.shape) for n, p in gm.named_parameters()}
+    with pytest.raises(PassError, match=r"sum_default \(aten\.sum\.default\) reads m\.lm_head\.weight, the vocabulary "
+                                        r"table that shard_tensor_parallel splits by rows"):
+        ShardTensorParallel(TensorParallelSpec(2, 0, "tp-test")).run_graph(gm, "main", PassContext(info=info))
+    assert {n: tuple(p.shape) for n, p in gm.named_parameters()} == shapes
 
 
 def test_pass_names_a_fused_qkv_layer():
@@ -223,6 +291,9 @@ def test_pass_names_a_fused_qkv_layer():
      "tensor_parallel=2 but the process group has 1 ranks"),
     (dict(tensor_parallel=2), {}, r"launch with `torchrun --nproc-per-node 2`"),
     (dict(tensor_parallel=2, verify=True), {}, "tensor_parallel=2 with verify= is not supported yet"),
+    # offload_embeddings would move the vocab-parallel head and embedding: refused with tensor parallelism
+    (dict(tensor_parallel=2, offload_layers=["embed_tokens", "lm_head"]), {},
+     "tensor_parallel=2 with offload_layers= is not supported yet"),
     (dict(tensor_parallel=2, quantization={"method": "rtn", "bits": 4, "group_size": 32}), {},
      r"tensor_parallel=2 with quantization= is not supported yet: INT4/FP8 weights .* drop quantization="),
     (dict(tensor_parallel=0), {}, "tensor_parallel=0 must be an integer >= 1"),

@@ -15,7 +15,9 @@ import torch
 
 #: name → (model_type, config overrides): 4 query heads; 2 KV heads split over 2 ranks, or 1 KV head that
 #: both ranks keep (replication); qwen2 has q/k/v biases; gemma2 soft-caps attention and logits, alternates
-#: sliding-window layers and uses GELU; mixtral routes each token to 2 of 4 experts.
+#: sliding-window layers and uses GELU; mixtral routes each token to 2 of 4 experts. Vocabularies of 256 tokens
+#: (the logits linear and the token embedding split 128 + 128 rows), but 251 in the last two (126 + 125 rows,
+#: rank 1's shard padded with one zero row).
 CASES = {
     "llama": ("llama", dict(num_key_value_heads=2)),
     "qwen2": ("qwen2", dict(num_key_value_heads=2)),
@@ -24,6 +26,10 @@ CASES = {
     "llama_kv1": ("llama", dict(num_key_value_heads=1)),
     # SmolLM2's head shape (9 query heads in 3 GQA groups): ranks hold 2 and 1 whole groups
     "llama_9x3": ("llama", dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=144)),
+    # vocab-parallel head and embedding over an uneven vocabulary (ranks hold 126 rows, rank 1 one of them
+    # padding): tied (one table read by the embedding and the logits linear, as SmolLM2) and untied
+    "llama_tied": ("llama", dict(num_key_value_heads=2, vocab_size=251, tie_word_embeddings=True)),
+    "llama_v251": ("llama", dict(num_key_value_heads=2, vocab_size=251)),
 }
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
@@ -63,14 +69,15 @@ def build(case: str, seed: int = 0) -> torch.nn.Module:
 
 def workload(opt, case: str = "") -> dict:
     """Greedy tokens (two generate calls), full-sequence logits, the KV heads of this rank's pool and
-    the report notes of shard_tensor_parallel and fuse_moe_experts."""
+    the report notes of shard_tensor_parallel, fuse_moe_experts and pack_gemm_linears."""
     prompts = SMOLLM2_PROMPTS if case == "smollm2" else PROMPTS
     first = opt.generate(prompts, max_new_tokens=8, ignore_eos=True)
     second = opt.generate([prompts[1]], max_new_tokens=5, ignore_eos=True)
     logits = opt(torch.tensor([prompts[1]])).logits[0]
     notes = {r.name: r.note for r in opt.pass_report.records}
     return dict(tokens=first + second, logits=logits.tolist(), kv_heads=opt.engine.runner.kv_cache.spec.num_kv_heads,
-                note=notes.get("shard_tensor_parallel", ""), experts_note=notes.get("fuse_moe_experts", ""))
+                note=notes.get("shard_tensor_parallel", ""), experts_note=notes.get("fuse_moe_experts", ""),
+                pack_note=notes.get("pack_gemm_linears", ""))
 
 
 def feature_workload(opt) -> dict:

@@ -64,6 +64,14 @@ class TensorParallelSpec:
         n = size // self.world_size
         return range(self.rank * n, (self.rank + 1) * n)
 
+    def vocab_rows(self, size: int) -> tuple[range, int]:
+        """This rank's rows of a vocabulary of ``size`` split in shards of ``⌈size / world_size⌉`` rows: the
+        real rows it holds (the last ranks' may be fewer, or none) and the shard's length, to which
+        its copy is padded with zero rows."""
+        per = -(-size // self.world_size)
+        start = min(self.rank * per, size)
+        return range(start, min(start + per, size)), per
+
 
 def head_shard(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> HeadShard:
     """The query and KV heads rank ``rank`` of ``tp`` holds (see the module docstring)."""

@@ -9,6 +9,9 @@ Pattern → replacement, per attention layer (``devin::paged_attention`` over q 
     down  = linear(h, W_d[, b])     →  wait(all_reduce(linear(h, W_d[:, rank's I/N cols]), sum))[+ b]
     experts: W_gate_up [E, 2F, H]   →  W_gate_up[:, rank's F/N gate rows ++ its F/N up rows]
              W_down [E, H, F]       →  W_down[:, :, rank's F/N cols];  out = slot sum → wait(all_reduce(out, sum))
+    logits = linear(h, W[V, H][, b]) → all ranks' linear(h, W[rank's ⌈V/N⌉ rows, zero-padded]) side by side
+                                       (wait(all_gather_into_tensor(·)) put back to [..., V])   # vocab-parallel
+    x = embedding(W, ids)           →  wait(all_reduce(embedding(W[rank's rows], ids − start), zero outside, sum))
 
 Rank r holds whole GQA groups (a contiguous run of KV heads and the query heads that read them; the
 first ``Hkv mod N`` ranks one group more, SmolLM2's 3 groups at N=2 as 2 + 1), or, with fewer KV heads
@@ -17,26 +20,34 @@ so each ``paged_attention`` sees the rank's query and KV heads, and the rank's K
 only those (the runtime builds it from the rank-local ``ModelInfo``). Per-head constants of the op
 (ALiBi slopes, attention sinks) keep the rank's heads. Routed experts (Mixtral & co.) keep every
 expert on every rank with 1/N of its intermediate features; the router stays whole, so each rank
-routes every token exactly as one process does. Embeddings, norms and the logits linear stay
-whole on every rank (replicated: every rank computes the full logits; rank 0 samples them).
+routes every token exactly as one process does. The logits linear and the token embedding are
+vocab-parallel (``vocab.py``): rank r keeps rows [r·S, (r+1)·S) of their tables, S = ⌈V/N⌉ (padded
+with zero rows); every rank gathers the full logits (rank 0 samples them); a table tied to both
+(SmolLM2) is one shard that both read. Norms (and other embedding lookups, e.g. learned positions)
+stay whole on every rank.
 The collectives are ``torch.ops._c10d_functional`` (gloo on CPU, NCCL on CUDA) over the process
 group named in :class:`~devin_compile.config.tensor_parallel.TensorParallelSpec`.
 
 Invariant: the sum over ranks of each row-parallel linear's partial output equals the unsplit
-linear's output (up to float summation order), so every rank's logits match one process. A linear
-that is none of the above, a fused q/k/v projection, or a view that hard-codes a head count is a
-:class:`PassError` naming the module; nothing is replicated silently.
+linear's output (up to float summation order), the gathered logits and summed embedding rows are
+the unsplit ones, so every rank's logits match one process. A linear that is none of the above, a
+fused q/k/v projection, a vocabulary table read by anything but logits linears and embedding lookups,
+or a view that hard-codes a head count is a :class:`PassError` naming the module; nothing is
+replicated silently. The report gives the bytes of every split weight (vocabulary tables included,
+a tied one once) on this rank and unsplit.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx
 
-from ...config.tensor_parallel import TensorParallelSpec
+from ...capture import ModelInfo
+from ...config.tensor_parallel import HeadShard, TensorParallelSpec
 from ...graph_utils import counted_nodes, eliminate_dead_code, linear_bias, node_delta
 from ...pipeline import Pass, PassContext, PassError, PassResult
 from .plan import AttentionShard, ExpertsShard, ShardPlan, module_of, plan_shards
 from .rewrite import column_parallel, keep, refresh_shapes, row_parallel, sum_over_ranks, tensor_of
+from .vocab import VocabShard, plan_vocab, split_vocab, vocab_params
 
 
 class ShardTensorParallel(Pass):
@@ -58,43 +69,72 @@ class ShardTensorParallel(Pass):
         before = counted_nodes(gm)
         eliminate_dead_code(gm)  # export's shape asserts would check the unsplit sizes
         plan = plan_shards(gm)
-        full = _weight_bytes(gm, plan)
-        changed: set[torch.fx.Node] = set()
-        D = info.head_dim
-        for layer in plan.attention:
-            _check_widths(gm, layer, info.num_heads * D, info.num_kv_heads * D)
-            q_cols = range(heads.q.start * D, heads.q.stop * D)
-            column_parallel(gm, layer.q, q_cols)
-            for lin in (layer.k, layer.v):
-                column_parallel(gm, lin, range(heads.kv.start * D, heads.kv.stop * D))
-            changed.update(_head_constants(gm, layer.attention, heads.q))
-            changed.update(_params(layer.q, layer.k, layer.v, layer.o))
-            row_parallel(gm, layer.o, q_cols, spec.group_name)
-        for mlp in plan.mlps:
-            width = tensor_of(gm, mlp.row.args[1]).shape[1]
-            if width % spec.world_size:
-                raise PassError(f"{mlp.path}: intermediate size {width} does not split over "
-                                f"tensor_parallel={spec.world_size} ranks")
-            for lin in mlp.columns:
-                if tensor_of(gm, lin.args[1]).shape[0] != width:
-                    raise PassError(f"{module_of(lin)}: {tensor_of(gm, lin.args[1]).shape[0]} output features, but "
-                                    f"{module_of(mlp.row)} reads {width}; cannot split them alike")
-                column_parallel(gm, lin, spec.rows(width))
-            changed.update(_params(*mlp.columns, mlp.row))
-            row_parallel(gm, mlp.row, spec.rows(width), spec.group_name)
+        vocab, whole_lookups = plan_vocab(gm, plan.heads)  # planned (and refused) before any weight is split
+        full = _weight_bytes(gm, plan, vocab)
+        changed = _split_layers(gm, plan, spec, heads, info)
         for block in plan.experts:
             changed.update(_split_experts(gm, block, spec))
+        for table in vocab:
+            changed.update(split_vocab(gm, table, spec))
         refresh_shapes(gm, changed)
-        local = _weight_bytes(gm, plan)
+        local = _weight_bytes(gm, plan, vocab)
         n_row = len(plan.attention) + len(plan.mlps)
         moe = (f", {len(plan.experts)} expert blocks split by intermediate features ({len(plan.experts)} all_reduce, "
                "routers replicated)") if plan.experts else ""
         return PassResult(
-            matches=len(plan.linears()) + len(plan.experts),
+            matches=len(plan.linears()) + len(plan.experts) + len(vocab),
             note=(f"rank {spec.rank}/{spec.world_size}: {len(plan.linears()) - n_row} column-parallel and {n_row} "
                   f"row-parallel linears ({n_row} all_reduce){moe}, {len(heads.q)} query / {len(heads.kv)} KV heads "
-                  f"per layer, {len(plan.replicated)} logits linear replicated; split weights {local} of {full} "
+                  f"per layer, {_vocab_note(vocab, whole_lookups, spec)}; split weights {local} of {full} "
                   f"bytes on this rank; {node_delta(gm, before)}"))
+
+
+def _split_layers(gm: torch.fx.GraphModule, plan: ShardPlan, spec: TensorParallelSpec, heads: HeadShard,
+                  info: ModelInfo) -> set[torch.fx.Node]:
+    """Attention layers by heads and MLPs by intermediate features (column then row parallel); the
+    ``get_attr`` nodes whose tensors changed."""
+    changed: set[torch.fx.Node] = set()
+    D = info.head_dim
+    for layer in plan.attention:
+        _check_widths(gm, layer, info.num_heads * D, info.num_kv_heads * D)
+        q_cols = range(heads.q.start * D, heads.q.stop * D)
+        column_parallel(gm, layer.q, q_cols)
+        for lin in (layer.k, layer.v):
+            column_parallel(gm, lin, range(heads.kv.start * D, heads.kv.stop * D))
+        changed.update(_head_constants(gm, layer.attention, heads.q))
+        changed.update(_params(layer.q, layer.k, layer.v, layer.o))
+        row_parallel(gm, layer.o, q_cols, spec.group_name)
+    for mlp in plan.mlps:
+        width = tensor_of(gm, mlp.row.args[1]).shape[1]
+        if width % spec.world_size:
+            raise PassError(f"{mlp.path}: intermediate size {width} does not split over "
+                            f"tensor_parallel={spec.world_size} ranks")
+        for lin in mlp.columns:
+            if tensor_of(gm, lin.args[1]).shape[0] != width:
+                raise PassError(f"{module_of(lin)}: {tensor_of(gm, lin.args[1]).shape[0]} output features, but "
+                                f"{module_of(mlp.row)} reads {width}; cannot split them alike")
+            column_parallel(gm, lin, spec.rows(width))
+        changed.update(_params(*mlp.columns, mlp.row))
+        row_parallel(gm, mlp.row, spec.rows(width), spec.group_name)
+    return changed
+
+
+def _vocab_note(vocab: list[VocabShard], whole_lookups: int, spec: TensorParallelSpec) -> str:
+    """The report's words on the vocabulary split: what each table serves, its rows per rank, the
+    collectives, the lookups left whole."""
+    parts = []
+    for table in vocab:
+        rows, per = spec.vocab_rows(table.size)
+        what = " + ".join(x for x in (f"{len(table.heads)} logits linear" if table.heads else "",
+                                      f"{len(table.lookups)} embedding" if table.lookups else "") if x)
+        tied = " (tied: one shard)" if table.heads and table.lookups else ""
+        pad = f", {per - len(rows)} zero padding row(s) here" if per > len(rows) else ""
+        parts.append(f"{what}{tied} split by vocabulary rows, {per} of {table.size} per rank{pad}")
+    gathers, reduces = sum(len(t.heads) for t in vocab), sum(len(t.lookups) for t in vocab)
+    if not parts:
+        return f"no vocabulary table split, {whole_lookups} embedding lookups replicated"
+    return f"{'; '.join(parts)} ({gathers} all_gather, {reduces} all_reduce), {whole_lookups} other embedding " \
+           "lookups replicated"
 
 
 def _split_experts(gm: torch.fx.GraphModule, block: ExpertsShard, spec: TensorParallelSpec) -> list[torch.fx.Node]:
@@ -115,10 +155,12 @@ def _params(*linears: torch.fx.Node) -> list[torch.fx.Node]:
     return [n for lin in linears for n in (lin.args[1], linear_bias(lin)) if isinstance(n, torch.fx.Node)]
 
 
-def _weight_bytes(gm: torch.fx.GraphModule, plan: ShardPlan) -> int:
-    """Bytes of the weights (and biases) of the linears the plan splits."""
+def _weight_bytes(gm: torch.fx.GraphModule, plan: ShardPlan, vocab: list[VocabShard]) -> int:
+    """Bytes of the weights (and biases) the pass splits: the plan's linears and experts, and the
+    vocabulary tables (a tied table counted once)."""
     nodes = set(_params(*plan.linears())) | {n for e in plan.experts for n in (e.gate_up, e.down)}
-    return sum(tensor_of(gm, n).nbytes for n in nodes)
+    tensors = {id(t): t for t in (tensor_of(gm, n) for n in (*nodes, *vocab_params(vocab)))}
+    return sum(t.nbytes for t in tensors.values())
 
 
 def _check_widths(gm: torch.fx.GraphModule, layer: AttentionShard, q_width: int, kv_width: int) -> None:

@@ -9,7 +9,8 @@
 - routed experts (HF's grouped expert GEMMs, the chain ``fuse_moe_experts`` matches): each expert's
   gate/up rows and down columns split alike over its intermediate features; the router linear (the
   one the expert ids come from) stays whole, so routing is exact on every rank;
-- the logits linear stays whole on every rank (replicated); so do embeddings and norms.
+- the logits linear(s): vocab-parallel (``vocab.py`` plans which embedding lookups share or follow
+  that split); norms stay whole on every rank.
 
 Any other linear is a :class:`PassError` naming its module: it is never silently replicated.
 """
@@ -75,7 +76,7 @@ class ExpertsShard:
 class ShardPlan:
     attention: list[AttentionShard]
     mlps: list[MLPShard]
-    replicated: list[torch.fx.Node]  # the logits linear(s)
+    heads: list[torch.fx.Node]  # the logits linear(s): vocab-parallel (vocab.py)
     experts: list[ExpertsShard] = field(default_factory=list)
 
     def linears(self) -> list[torch.fx.Node]:
@@ -109,18 +110,18 @@ def plan_shards(gm: torch.fx.GraphModule) -> ShardPlan:
         if mlp is not None:
             mlps.append(mlp)
             taken.update((*mlp.columns, mlp.row))
-    replicated = [n for n in linears if n not in taken and is_logits_linear(n)]
-    left = [n for n in linears if n not in taken and n not in replicated]
+    heads = [n for n in linears if n not in taken and is_logits_linear(n)]
+    left = [n for n in linears if n not in taken and n not in heads]
     if left:
         raise PassError(
             f"shard_tensor_parallel cannot split {module_of(left[0])} (linear {left[0].name}"
             f"{f' and {len(left) - 1} more' if len(left) > 1 else ''}) over ranks: it is neither a q/k/v/output "
             "projection of an attention layer nor part of an MLP (linears reading one input → elementwise ops "
             "→ one linear); it is not replicated silently")
-    for n in (*taken, *replicated):
+    for n in (*taken, *heads):
         if param_of(gm, n.args[1]) is None:
             raise PassError(f"{module_of(n)}: linear {n.name} has no weight parameter; cannot split it")
-    return ShardPlan(attention, mlps, replicated, experts)
+    return ShardPlan(attention, mlps, heads, experts)
 
 
 def _experts(gm: torch.fx.GraphModule) -> list[ExpertsShard]:

@@ -14,18 +14,25 @@ from .plan import module_of
 _c10d = torch.ops._c10d_functional
 
 
-def set_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node, tensor: torch.Tensor) -> None:
-    """Make the ``get_attr`` ``node`` read ``tensor`` (a parameter stays a parameter, a buffer a buffer)."""
-    if len(node.users) != 1:
+def set_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node, tensor: torch.Tensor, *,
+               tied: bool = False) -> torch.Tensor:
+    """Make the ``get_attr`` ``node`` read ``tensor`` (a parameter stays a parameter, a buffer a buffer);
+    returns the object the graph now holds (pass it for another ``get_attr`` of a tied weight, so
+    both read one tensor). Only ``tied`` (the caller rewrites every reader: ``vocab.py``) allows a
+    weight that several nodes read."""
+    if len(node.users) != 1 and not tied:
         raise PassError(f"{module_of(next(iter(node.users)))}: weight {node.target} is read by {len(node.users)} "
                         "nodes (tied?); shard_tensor_parallel splits weights that one linear reads")
     prefix, _, attr = node.target.rpartition(".")
     owner = gm.get_submodule(prefix) if prefix else gm
     if attr in owner._parameters:
-        owner._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+        if not isinstance(tensor, torch.nn.Parameter):
+            tensor = torch.nn.Parameter(tensor, requires_grad=False)
+        owner._parameters[attr] = tensor
     else:
         owner._buffers[attr] = tensor
-    node.meta["val"] = fake_like(node, tensor)
+    node.meta["val"] = fake_like(node, tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor)
+    return tensor
 
 
 def tensor_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor:
