@@ -579,3 +579,36 @@ def test_native_paged_attention_in_pure_decode_steps(dtype) -> None:
         op(torch.randn(3, 4, 16).to(dtype), k, v, 0, 0.25)
     assert mixed.scratch["native_decode_layers"] == 0
     assert cpu_paged_decode.load_layer_op()
+
+
+@c_kernel
+@pytest.mark.parametrize("variant", ["native", "avx512_no_bf16", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_decode_kernel_builds_for_smaller_instruction_sets_agree(variant: str, dtype: torch.dtype,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every build of the C kernel against float32 math on the same values: native, without AVX512-BF16
+    (the in-place AVX-512 task scores by FMA instead of bf16 pair products) and without AVX-512 (the
+    portable task), as a CI machine of each kind builds it; scattered blocks, lengths across chunk
+    boundaries, several tasks per thread (so each claims and prefetches the next)."""
+    from devin_compile.backends.attention import cpu_paged_decode as cpd
+
+    lib = cpd._KERNEL.variant(variant).load()
+    if lib is None:
+        pytest.skip(f"the {variant} build is unavailable here")
+    monkeypatch.setattr(cpd, "load", lambda: lib)
+    g = torch.Generator().manual_seed(3)
+    hkv, group, d, bs, lens = 3, 3, 64, 16, [1, 17, 300, 64, 129, 2]
+    mb = max(lens) // bs + 1
+    blocks = torch.randperm(len(lens) * mb + 3, generator=g)[: len(lens) * mb].view(len(lens), mb).to(torch.int32)
+    k_cache, v_cache = (torch.randn(len(lens) * mb + 3, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(lens), hkv * group, d, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    cpd.decode_attention(q, k_cache, v_cache, torch.arange(len(lens)), blocks, lens_t, d ** -0.5, out, chunk=32)
+    for b, n in enumerate(lens):
+        k = k_cache[blocks[b].long()].reshape(-1, hkv, d)[:n].float().repeat_interleave(group, 1)
+        v = v_cache[blocks[b].long()].reshape(-1, hkv, d)[:n].float().repeat_interleave(group, 1)
+        p = (torch.einsum("hd,khd->hk", q[b].float(), k) * d ** -0.5).softmax(-1)
+        want = torch.einsum("hk,khd->hd", p, v)
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+        torch.testing.assert_close(out[b].float(), want, **tol)

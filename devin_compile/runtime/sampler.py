@@ -5,7 +5,9 @@ request's tokens followed by the first ``j`` proposals of a speculative draft (n
 decode row). A processor that raises fails only its request (:class:`ProcessorError`).
 :func:`sample_rows` samples one token per plain row (:func:`~.sampling.sample_batch`) and reads
 the logprobs of the requests that asked, from the raw logits, before any processor edits them.
-A row whose raw logits hold NaN/inf fails its request alone (:data:`NON_FINITE`).
+A row whose raw logits hold NaN/inf fails its request alone (:data:`NON_FINITE`). A step whose rows
+are all greedy without processors takes :func:`~.greedy_rows.greedy_rows` (argmax and the finite
+check in one C pass) where it applies.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from .greedy_rows import greedy_rows
 from .logprobs import TokenLogprob, log_probs, token_logprobs
 from .sampling import sample_batch
 from .sequence import Sequence
@@ -61,6 +64,13 @@ def sample_rows(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampledRows:
         return SampledRows([])
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     logp = log_probs(logits[want]) if want else None  # before processors edit the rows in place
+    if all(s.params.greedy and not s.params.logits_processors for s in seqs):
+        fast = greedy_rows(logits)  # one C pass in the logits' dtype (None: keep the torch path)
+        if fast is not None:
+            best, finite = fast
+            errors = {row: NON_FINITE for row, ok in enumerate(finite) if not ok}
+            tokens = [None if row in errors else tok for row, tok in enumerate(best)]
+            return SampledRows(tokens, _chosen_logprobs(logp, want, seqs, tokens), errors)
     logits = logits.float()
     errors = {row: NON_FINITE for row, ok in enumerate(finite_rows(logits)) if not ok}
     for row, seq in enumerate(seqs):
