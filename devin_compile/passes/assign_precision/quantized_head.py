@@ -9,7 +9,8 @@ Pattern → replacement::
 
 Invariants: the head and its tied embedding read one set of quantized operands (the dense table is no
 longer read, so it is released); a lookup returns the head's dequantized rows (AWQ's input scale undone
-for INT4), which is what ``quant.simulate`` computes.
+for INT4), which is what ``quant.simulate`` computes. Under tensor parallelism the head is a vocabulary
+shard (its rows, zero rows past V: :mod:`.shards`) and a tied lookup reads that shard with local ids.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ...ops import int8_linear as int8_op
 from ...pipeline import PassError
 from ...quant.precision import Candidate
 from ...quant.result import Int8Head
+from .shards import shard_int8_head
 
 aten = torch.ops.aten
 
@@ -48,6 +50,7 @@ def int8_head_to_op(gm: torch.fx.GraphModule, head: Int8Head | None, device: tor
                         "linears, expected one; was the quantized model made for this model?")
     node, w_node = nodes[0], nodes[0].args[1]
     w = param_of(gm, w_node)
+    head = shard_int8_head(head, w_node.meta.get("tp_slice"))  # a vocab-parallel head: this rank's rows
     if tuple(w.shape) != tuple(head.dims):
         raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the INT8 head "
                         f"{head.name!r} has {head.dims}")
