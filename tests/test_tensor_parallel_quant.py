@@ -1,0 +1,111 @@
+"""Tensor parallelism with quantized linears (issue 40, "quantized shards"): each rank holds its slice of the
+INT4 / FP8 weights (and of the INT8 or INT4 head) and two gloo ranks give the tokens of one process with the
+same quantization.
+
+The ranks (``tp_worker.py``, started by :func:`test_tensor_parallel.launch`) quantize the tiny seeded models
+with RTN (deterministic: every rank computes the same full quantization, then keeps its slices) or load one
+saved artifact; the test runs the same workload in one process. A row-parallel cut that is not whole INT4
+groups is refused by name while planning, before any weight is split.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from devin_compile.capture import capture, model_info
+from devin_compile.config.tensor_parallel import TensorParallelSpec
+from devin_compile.passes import AttentionToPaged, ShardTensorParallel
+from devin_compile.pipeline import PassContext, PassError, PassManager, Program
+from devin_compile.quant import QuantConfig, artifact, quantize_for_optimize
+
+from test_quant_data import CharTokenizer
+from test_tensor_parallel import assert_matches, launch
+from tp_worker import _RTN, build, run_case
+
+#: CASE%QUANT (tp_worker.QUANT): INT4 decoder linears + the INT8 head on llama and qwen2 (q/k/v biases), FP8
+#: decoder linears, a tied table over an uneven vocabulary (251 rows: rank 1's shard has a zero row) read by
+#: the INT8 head and the lookup, or by the INT4 head and its lookup, and a saved INT4 artifact
+QUANT_RUNS = ["llama%int4", "qwen2%int4", "llama%fp8", "llama_tied%int4", "llama_tied%int4_head", "llama%artifact"]
+
+
+@pytest.fixture(scope="module")
+def saved_artifact(tmp_path_factory) -> str:
+    """The tiny llama quantized with RTN (g32, INT8 head), saved: what ``quantized=`` loads."""
+    model = build("llama")
+    result = quantize_for_optimize(model, CharTokenizer(), QuantConfig.coerce(dict(_RTN)))
+    out = tmp_path_factory.mktemp("tp_artifact") / "q"
+    artifact.save(result, out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def quant_ranks(tmp_path_factory, saved_artifact) -> list[dict]:
+    return launch(tmp_path_factory.mktemp("tp_quant"), *QUANT_RUNS, env={"TP_QUANT_ARTIFACT": saved_artifact})
+
+
+@pytest.mark.parametrize("run", QUANT_RUNS)
+def test_quantized_ranks_match_one_process(quant_ranks, saved_artifact, monkeypatch, run):
+    """Greedy tokens identical to one process with the same quantization on both ranks, logits within
+    summation-order tolerance; every rank chose each linear's precision as one process did, and reports
+    its quantized linears as this rank's slices."""
+    monkeypatch.setenv("TP_QUANT_ARTIFACT", saved_artifact)
+    ref = run_case(run, 1)
+    assert_matches(ref, quant_ranks, run, atol=1e-3)
+    for results in quant_ranks:
+        got = results[run]
+        assert [r[:2] for r in got["precision"]] == [r[:2] for r in ref["precision"]]
+        n = len([r for r in ref["precision"] if r[1] in ("int4", "fp8")])
+        assert n > 0 and re.search(rf"tensor parallel: {n} of \d+ linears hold this rank's slice",
+                                   got["precision_note"])
+    kind = run.partition("%")[2]
+    expected = {"int4": "int4", "artifact": "int4", "int4_head": "int4", "fp8": "fp8"}[kind]
+    assert {r[1] for r in ref["precision"] if r[0] != "lm_head"} == {expected}
+    head = next(r[1] for r in ref["precision"] if r[0] == "lm_head")
+    assert head == ("int4" if kind == "int4_head" else "int8")
+    if run.startswith("llama_tied"):
+        assert "1 tied embedding reads the" in ref["precision_note"]
+        assert all("1 tied embedding reads the" in r[run]["precision_note"] for r in quant_ranks)
+
+
+@pytest.mark.parametrize("run", QUANT_RUNS)
+def test_quantized_bytes_per_rank(quant_ranks, saved_artifact, monkeypatch, run):
+    """Each rank holds half of every INT4 decoder linear's bytes (the model's heads and MLP split evenly over
+    2 ranks; FP8: half the codes, the row scales of a row-parallel linear whole) and ⌈V/2⌉ of the V rows of
+    the quantized head."""
+    monkeypatch.setenv("TP_QUANT_ARTIFACT", saved_artifact)
+    ref = {r[0]: r[2] for r in run_case(run, 1)["precision"]}
+    vocab = build(run.partition("%")[0]).config.vocab_size
+    for results in quant_ranks:
+        got = {r[0]: r[2] for r in results[run]["precision"]}
+        body = [n for n in ref if n != "lm_head"]
+        share = sum(got[n] for n in body) / sum(ref[n] for n in body)
+        if run.endswith("fp8"):  # a row-parallel linear's per-row FP8 scales are whole on every rank
+            assert 0.5 < share < 0.51
+        else:
+            assert all(got[n] * 2 == ref[n] for n in body)
+        per = -(-vocab // 2)
+        assert abs(got["lm_head"] / ref["lm_head"] - per / vocab) < 0.01
+
+
+@pytest.mark.parametrize("group_size, layer, cut", [
+    (64, "layers.0.self_attn", r"\[0, 32\) of 64"),  # o_proj reads 4 heads of 16: rank 0 keeps half a group
+    (128, "layers.0.mlp", r"\[0, 64\) of 128"),  # down_proj reads 128 features: rank 0 keeps half a group
+])
+def test_row_cut_off_a_group_boundary_is_refused(group_size, layer, cut):
+    """A row-parallel linear whose rank's input columns are not whole INT4 groups: a PassError naming the
+    layer, the group size and the way out, raised while planning, before any weight is split."""
+    model = build("llama")
+    gm, info = capture(model, info=model_info(model))
+    program = Program({"main": gm})
+    PassManager([AttentionToPaged()]).run(program, PassContext(info=info))
+    gm = program.main
+    groups = {"model.layers.0.self_attn.o_proj": 32 if layer.endswith("mlp") else group_size,
+              "model.layers.0.mlp.down_proj": 32 if layer.endswith("self_attn") else group_size}
+    shapes = {n: tuple(p.shape) for n, p in gm.named_parameters()}
+    with pytest.raises(PassError, match=rf"{layer}\.\w+_proj: tensor_parallel=2 gives rank 0 its input features "
+                                        rf"{cut}, which do not fall on the INT4 group boundaries .*\(group size "
+                                        rf"{group_size}\).* or use tensor_parallel=1"):
+        ShardTensorParallel(TensorParallelSpec(2, 0, "tp-test"), groups).run_graph(gm, "main", PassContext(info=info))
+    assert {n: tuple(p.shape) for n, p in gm.named_parameters()} == shapes
