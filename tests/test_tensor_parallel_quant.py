@@ -24,19 +24,25 @@ from test_quant_data import CharTokenizer
 from test_tensor_parallel import assert_matches, launch
 from tp_worker import _RTN, build, run_case
 
-#: CASE%QUANT (tp_worker.QUANT): INT4 decoder linears + the INT8 head on llama and qwen2 (q/k/v biases), FP8
-#: decoder linears, a tied table over an uneven vocabulary (251 rows: rank 1's shard has a zero row) read by
-#: the INT8 head and the lookup, or by the INT4 head and its lookup, and a saved INT4 artifact
-QUANT_RUNS = ["llama%int4", "qwen2%int4", "llama%fp8", "llama_tied%int4", "llama_tied%int4_head", "llama%artifact"]
+#: CASE%QUANT (tp_worker.QUANT): INT4 decoder linears + the INT8 head on llama, qwen2 (q/k/v biases) and mixtral
+#: (attention quantized, experts split dense), FP8 decoder linears, a tied table over an uneven vocabulary (251
+#: rows: rank 1's shard has a zero row) read by the INT8 head and the lookup, or by the INT4 head and its lookup,
+#: and saved INT4 artifacts (RTN; AWQ, whose input scales and folded row scales are cut with the weights)
+QUANT_RUNS = ["llama%int4", "qwen2%int4", "mixtral%int4", "llama%fp8", "llama_tied%int4", "llama_tied%int4_head",
+              "llama%artifact", "llama%awq_artifact"]
 
 
 @pytest.fixture(scope="module")
 def saved_artifact(tmp_path_factory) -> str:
-    """The tiny llama quantized with RTN (g32, INT8 head), saved: what ``quantized=`` loads."""
-    model = build("llama")
-    result = quantize_for_optimize(model, CharTokenizer(), QuantConfig.coerce(dict(_RTN)))
-    out = tmp_path_factory.mktemp("tp_artifact") / "q"
-    artifact.save(result, out)
+    """The tiny llama quantized with RTN and with AWQ (g32, INT8 head), saved in ``rtn/`` and ``awq/``: what
+    ``quantized=`` loads (one quantization that every rank and the reference read)."""
+    out = tmp_path_factory.mktemp("tp_artifact")
+    for method in ("rtn", "awq"):
+        model = build("llama")
+        result = quantize_for_optimize(model, CharTokenizer(), QuantConfig.coerce({**_RTN, "method": method}))
+        assert (result.linears["model.layers.0.mlp.down_proj"].in_scale is not None) == (method == "awq")  # row cut
+        assert (result.linears["model.layers.0.mlp.up_proj"].row_scale is not None) == (method == "awq")  # column cut
+        artifact.save(result, out / method)
     return str(out)
 
 
@@ -52,7 +58,7 @@ def test_quantized_ranks_match_one_process(quant_ranks, saved_artifact, monkeypa
     its quantized linears as this rank's slices."""
     monkeypatch.setenv("TP_QUANT_ARTIFACT", saved_artifact)
     ref = run_case(run, 1)
-    assert_matches(ref, quant_ranks, run, atol=1e-3)
+    assert_matches(ref, quant_ranks, run)
     for results in quant_ranks:
         got = results[run]
         assert [r[:2] for r in got["precision"]] == [r[:2] for r in ref["precision"]]
@@ -60,7 +66,7 @@ def test_quantized_ranks_match_one_process(quant_ranks, saved_artifact, monkeypa
         assert n > 0 and re.search(rf"tensor parallel: {n} of \d+ linears hold this rank's slice",
                                    got["precision_note"])
     kind = run.partition("%")[2]
-    expected = {"int4": "int4", "artifact": "int4", "int4_head": "int4", "fp8": "fp8"}[kind]
+    expected = "fp8" if kind == "fp8" else "int4"
     assert {r[1] for r in ref["precision"] if r[0] != "lm_head"} == {expected}
     head = next(r[1] for r in ref["precision"] if r[0] == "lm_head")
     assert head == ("int4" if kind == "int4_head" else "int8")

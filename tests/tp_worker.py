@@ -55,19 +55,21 @@ FEATURES = {
 
 _RTN = dict(method="rtn", group_size=32, calib_chunks=2, calib_len=64)
 #: quantized runs at tensor_parallel=2 ("CASE%QUANT"): optimize options (every rank quantizes the same way, or
-#: loads the artifact the test saved, at $TP_QUANT_ARTIFACT); :func:`workload` runs them, with the precision table
+#: loads an artifact the test saved under $TP_QUANT_ARTIFACT); :func:`workload` runs them, with the precision table
 QUANT = {
     "int4": dict(quantization=_RTN),  # INT4 RTN decoder linears, the default INT8 head (vocab-parallel)
     "fp8": dict(quantization={**_RTN, "tiers": "fp8"}),  # every decoder linear FP8
     "int4_head": dict(quantization={**_RTN, "lm_head": "int4"}),  # the head INT4 too (a tied lookup reads it)
-    "artifact": dict(),  # quantized=$TP_QUANT_ARTIFACT
+    "artifact": dict(),  # quantized=$TP_QUANT_ARTIFACT/rtn
+    "awq_artifact": dict(),  # quantized=$TP_QUANT_ARTIFACT/awq: AWQ input/row scales cut with the weights
 }
 
 
 def quant_options(quant: str) -> dict:
     """``optimize`` options of a ``QUANT`` run (a tokenizer for calibration, or the saved artifact)."""
-    if quant == "artifact":
-        return dict(quantized=os.environ["TP_QUANT_ARTIFACT"])
+    if quant.endswith("artifact"):
+        method = quant.partition("_")[0] if "_" in quant else "rtn"
+        return dict(quantized=os.path.join(os.environ["TP_QUANT_ARTIFACT"], method))
     from test_quant_data import CharTokenizer
 
     return dict(tokenizer=CharTokenizer(), **QUANT[quant])
