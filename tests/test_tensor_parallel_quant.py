@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 from devin_compile.capture import capture, model_info
 from devin_compile.config.tensor_parallel import TensorParallelSpec

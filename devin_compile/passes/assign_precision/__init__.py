@@ -58,8 +58,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ...graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead_code, fake_like, is_call, linear_bias,
-                           node_delta, param_of)
+from ...graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead_code, fake_like, hf_name, is_call,
+                           linear_bias, node_delta, param_of)
 from ...ops import dequant_tiles
 from ...ops import fp8_linear as fp8_op
 from ...ops import int4_linear as int4_op
@@ -68,7 +68,7 @@ from ...pipeline import Pass, PassContext, PassError, PassResult
 from ...quant.config import QuantConfig
 from ...quant.precision import Candidate, choose_tiers
 from ...quant.result import QuantResult, has_fp8, sensitivity
-from .quantized_head import embed_from_int4_head, hf_name, int8_head_to_op
+from .quantized_head import embed_from_int4_head, int8_head_to_op
 from .shards import local_candidate, shard_qlinear, slices_of
 
 aten = torch.ops.aten

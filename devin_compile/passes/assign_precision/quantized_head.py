@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ...graph_utils import add_call, add_constant, fake_like, is_call, linear_bias, param_of
+from ...graph_utils import add_call, add_constant, fake_like, hf_name, is_call, linear_bias, param_of
 from ...ops import int4_embedding  # noqa: F401  (registers devin::int4_embedding)
 from ...ops import int8_embedding  # noqa: F401  (registers devin::int8_embedding)
 from ...ops import int8_linear as int8_op
@@ -27,13 +27,6 @@ from ...quant.result import Int8Head
 from .shards import shard_int8_head
 
 aten = torch.ops.aten
-
-
-def hf_name(target: str) -> str:
-    """Graph attribute of a captured weight → HF module name (``m.model.layers.0.mlp.up_proj.weight``
-    → ``model.layers.0.mlp.up_proj``)."""
-    name = target[2:] if target.startswith("m.") else target
-    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 def int8_head_to_op(gm: torch.fx.GraphModule, head: Int8Head | None, device: torch.device,

@@ -23,7 +23,6 @@ import dataclasses
 import torch
 import torch.fx
 
-from ...backends.int4 import format as fmt
 from ...config.weight_slice import WeightSlice
 from ...ops import fp8_linear as fp8_op
 from ...ops import int4_linear as int4_op
@@ -69,7 +68,7 @@ def _columns(ql: QLinear, cut: WeightSlice, name: str) -> QLinear:
         raise PassError(f"assign_precision: {name}'s input features [{cols.start}, {cols.stop}) of {k} are not "
                         f"whole INT4 groups of {g}; quantize with a group size that divides them, or use "
                         "tensor_parallel=1")
-    groups = WeightSlice(1, (range(cols.start // g, fmt.num_groups(cols.stop, g)),), fmt.num_groups(k, g))
+    groups = WeightSlice(1, (range(cols.start // g, -(-cols.stop // g)),), -(-k // g))  # a short last group: ⌈K/g⌉
     fp8 = ql.fp8_q is not None
     return dataclasses.replace(
         ql, q=cut.take(ql.q), scale=groups.take(ql.scale), minv=groups.take(ql.minv),

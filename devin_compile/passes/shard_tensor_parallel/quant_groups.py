@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ...backends.int4.format import SUPPORTED_GROUP_SIZES
 from ...config.tensor_parallel import TensorParallelSpec
+from ...graph_utils import hf_name
 from ...pipeline import PassError
-from ..assign_precision.quantized_head import hf_name
 from .plan import module_of
 
 
@@ -36,16 +35,10 @@ def check_group_boundaries(rows: list[tuple[torch.fx.Node, range, int]], groups:
             f"{module_of(linear)}: tensor_parallel={spec.world_size} gives rank {spec.rank} its input features "
             f"[{cols.start}, {cols.stop}) of {k}, which do not fall on the INT4 group boundaries of {name} "
             f"(group size {g}): a rank can only keep whole groups of a row-parallel linear. Quantize with a "
-            f"group size that divides {k // spec.world_size} (quantization={{..., 'group_size': "
-            f"{_divisor(k // spec.world_size)}}}) or use tensor_parallel=1")
+            f"group size that divides {k // spec.world_size} (quantization={{..., 'group_size': G}}) or use "
+            "tensor_parallel=1")
 
 
 def whole_groups(cols: range, k: int, g: int) -> bool:
     """Whether columns ``cols`` of a K-wide weight are whole groups of ``g`` (the last one may end at K)."""
     return cols.start % g == 0 and (cols.stop % g == 0 or cols.stop == k)
-
-
-def _divisor(width: int) -> str:
-    """The supported group sizes that divide ``width`` (for the message), or a hint when none does."""
-    fits = [g for g in SUPPORTED_GROUP_SIZES if width % g == 0]
-    return " or ".join(map(str, fits)) if fits else f"<a divisor of {width}>"
