@@ -46,6 +46,9 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    CPU; on CPUs without native bf16/fp16 GEMMs run by :func:`~devin_compile.ops.upcast_linear.upcast_linear`).
    Kept linears of an AWQ result get their folded full-precision weight; AWQ's scaled norm weights
    replace the originals.
+5. Under tensor parallelism, steps 1-3 see the whole linears (so every rank chooses the precision one
+   process chooses) and step 4 this rank's slices of them, cut as ``shard_tensor_parallel`` cut the
+   weights (:mod:`.shards`); the report's bytes are this rank's.
 
 The report's note gives the counts, bytes and kernel; ``details`` is the per-layer table
 (precision, bits, group size, sensitivity, bytes), also handed back in ``ctx.outputs.precision_table``

@@ -34,7 +34,10 @@ the unsplit ones, so every rank's logits match one process. A linear that is non
 fused q/k/v projection, a vocabulary table read by anything but logits linears and embedding lookups,
 or a view that hard-codes a head count is a :class:`PassError` naming the module; nothing is
 replicated silently. The report gives the bytes of every split weight (vocabulary tables included,
-a tied one once) on this rank and unsplit.
+a tied one once) on this rank and unsplit. Every cut is recorded on its ``get_attr``
+(``meta["tp_slice"]``, a :class:`~devin_compile.config.weight_slice.WeightSlice`) for ``assign_precision``,
+which cuts a quantized model's tensors alike; with one, row-parallel cuts must keep whole INT4 groups
+(``quant_groups.py``: a :class:`PassError` naming the layer and the group size, while planning).
 """
 from __future__ import annotations
 
