@@ -12,12 +12,18 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
+from devin_compile.backends.fp8 import format as fp8_fmt
+from devin_compile.backends.int4 import format as int4_fmt
 from devin_compile.capture import capture, model_info
 from devin_compile.config.tensor_parallel import TensorParallelSpec
+from devin_compile.config.weight_slice import WeightSlice
+from devin_compile.passes.assign_precision.shards import shard_qlinear
 from devin_compile.passes import AttentionToPaged, ShardTensorParallel
 from devin_compile.pipeline import PassContext, PassError, PassManager, Program
 from devin_compile.quant import QuantConfig, artifact, quantize_for_optimize
+from devin_compile.quant.result import QLinear
 
 from test_quant_data import CharTokenizer
 from test_tensor_parallel import assert_matches, launch
@@ -114,3 +120,33 @@ def test_row_cut_off_a_group_boundary_is_refused(group_size, layer, cut):
                                         rf"{group_size}\).* or use tensor_parallel=1"):
         ShardTensorParallel(TensorParallelSpec(2, 0, "tp-test"), groups).run_graph(gm, "main", PassContext(info=info))
     assert {n: tuple(p.shape) for n, p in gm.named_parameters()} == shapes
+
+
+def _qlinear(n: int = 6, k: int = 80, g: int = 32) -> QLinear:
+    """A quantized [n, k] linear with a short last group (80 = 2·32 + 16), AWQ scales and FP8 codes."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    q, scale, minv = int4_fmt.rtn_quantize(w, g)
+    q8, s8 = fp8_fmt.quantize(w)
+    return QLinear(q, scale, minv, g, "", 0.0, 1.0, in_scale=torch.rand(k) + 0.5, row_scale=torch.rand(n) + 0.5,
+                   fp8_q=q8, fp8_scale=s8)
+
+
+@pytest.mark.parametrize("cut", [WeightSlice(0, (range(2, 5),), 6), WeightSlice(0, (range(3, 6),), 6, padded_to=4),
+                                 WeightSlice(1, (range(0, 32),), 80), WeightSlice(1, (range(32, 80),), 80)])
+def test_a_slice_dequantizes_to_the_slice_of_the_weight(cut):
+    """Rows (padded with zero rows for a vocabulary shard) or whole groups of columns (the last one short) of the
+    INT4 and FP8 weights dequantize to the same cut of the full dequantized weights; AWQ's scales follow."""
+    full = _qlinear()
+    part = shard_qlinear(full, cut, "x")
+    assert part.shape == ((cut.length, 80) if cut.dim == 0 else (6, cut.length))
+    torch.testing.assert_close(part.dequantized(), cut.take(full.dequantized()), rtol=0, atol=0)
+    torch.testing.assert_close(part.fp8_dequantized(), cut.take(full.fp8_dequantized()), rtol=0, atol=0)
+    scaled, whole = ("row_scale", "in_scale") if cut.dim == 0 else ("in_scale", "row_scale")
+    torch.testing.assert_close(getattr(part, scaled), cut.take(getattr(full, scaled), dim=0, fill=1.0))
+    assert getattr(part, whole) is getattr(full, whole)
+
+
+def test_a_column_slice_off_a_group_boundary_is_refused():
+    with pytest.raises(PassError, match=r"x's input features \[16, 48\) of 80 are not whole INT4 groups of 32"):
+        shard_qlinear(_qlinear(), WeightSlice(1, (range(16, 48),), 80), "x")
