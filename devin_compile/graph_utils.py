@@ -160,6 +160,13 @@ def param_of(gm: torch.fx.GraphModule, node: Any) -> torch.Tensor | None:
     return None
 
 
+def hf_name(target: str) -> str:
+    """Graph attribute of a captured weight → HF module name (``m.model.layers.0.mlp.up_proj.weight``
+    → ``model.layers.0.mlp.up_proj``)."""
+    name = target[2:] if target.startswith("m.") else target
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
 def fake_like(reference_node: torch.fx.Node, tensor: torch.Tensor) -> Any:
     """A fake tensor for ``tensor`` in the fake mode of ``reference_node``'s value (None without one),
     made the way export made the reference: a static shape (a mode with a shape environment would

@@ -53,6 +53,28 @@ FEATURES = {
 }
 
 
+_RTN = dict(method="rtn", group_size=32, calib_chunks=2, calib_len=64)
+#: quantized runs at tensor_parallel=2 ("CASE%QUANT"): optimize options (every rank quantizes the same way, or
+#: loads an artifact the test saved under $TP_QUANT_ARTIFACT); :func:`workload` runs them, with the precision table
+QUANT = {
+    "int4": dict(quantization=_RTN),  # INT4 RTN decoder linears, the default INT8 head (vocab-parallel)
+    "fp8": dict(quantization={**_RTN, "tiers": "fp8"}),  # every decoder linear FP8
+    "int4_head": dict(quantization={**_RTN, "lm_head": "int4"}),  # the head INT4 too (a tied lookup reads it)
+    "artifact": dict(),  # quantized=$TP_QUANT_ARTIFACT/rtn
+    "awq_artifact": dict(),  # quantized=$TP_QUANT_ARTIFACT/awq: AWQ input/row scales cut with the weights
+}
+
+
+def quant_options(quant: str) -> dict:
+    """``optimize`` options of a ``QUANT`` run (a tokenizer for calibration, or the saved artifact)."""
+    if quant.endswith("artifact"):
+        method = quant.partition("_")[0] if "_" in quant else "rtn"
+        return dict(quantized=os.path.join(os.environ["TP_QUANT_ARTIFACT"], method))
+    from test_quant_data import CharTokenizer
+
+    return dict(tokenizer=CharTokenizer(), **QUANT[quant])
+
+
 def build(case: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -77,7 +99,8 @@ def workload(opt, case: str = "") -> dict:
     notes = {r.name: r.note for r in opt.pass_report.records}
     return dict(tokens=first + second, logits=logits.tolist(), kv_heads=opt.engine.runner.kv_cache.spec.num_kv_heads,
                 note=notes.get("shard_tensor_parallel", ""), experts_note=notes.get("fuse_moe_experts", ""),
-                pack_note=notes.get("pack_gemm_linears", ""))
+                pack_note=notes.get("pack_gemm_linears", ""), precision_note=notes.get("assign_precision", ""),
+                precision=[[r["linear"], r["precision"], r["bytes"]] for r in opt.precision_table or []])
 
 
 def feature_workload(opt) -> dict:
@@ -104,6 +127,10 @@ def feature_workload(opt) -> dict:
 def run_case(name: str, tp: int) -> dict:
     import devin_compile
 
+    case, _, quant = name.partition("%")
+    if quant:
+        return workload(devin_compile.optimize(build(case), tensor_parallel=tp, num_kv_blocks=32,
+                                               **quant_options(quant)), case)
     case, _, feature = name.partition("@")
     if feature:
         options = {"num_kv_blocks": 32, **FEATURES[feature]}

@@ -26,10 +26,6 @@ _UNSUPPORTED = {
     "kv_prune": "KV pruning edits rank 0's KV pool only",
     "compile_decode": "the ahead-compiled decode graph is not tested with collectives yet",
     "verify": "the probe compares against an unsharded graph",
-    "quantization": ("INT4/FP8 weights are computed for the unsharded linears (sharding them on group boundaries "
-                     "is not implemented); drop quantization= or use tensor_parallel=1"),
-    "quantized": ("a saved INT4/FP8 artifact holds the unsharded linears (sharding them on group boundaries is "
-                  "not implemented); load the unquantized model or use tensor_parallel=1"),
     "offload_layers": "offloading is not tested with collectives yet",
 }
 

@@ -9,7 +9,8 @@ This turns q/k/v into one GEMM and gate/up into another, which halves the number
 linear calls per layer and lets the CPU GEMM work on wider tiles. Invariant: each
 y_i equals the unfused output (the same dot products, in the same order per column).
 Weights that only the fused GEMM read are dropped, so memory does not grow. The fused
-linear's ``meta["fused_weights"]`` lists the original weight attributes in row order.
+linear's ``meta["fused_weights"]`` lists the original weight attributes in row order, and
+``meta["fused_slices"]`` the part of each that a tensor-parallel rank kept (their ``tp_slice``, or None).
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class FuseProjections(Pass):
                     args.append(b_node)
                 y = add_call(graph, aten.linear.default, tuple(args), like=first)
                 y.meta["fused_weights"] = [u.args[1].target for u in order]  # for later passes (assign_precision)
+                y.meta["fused_slices"] = [u.args[1].meta.get("tp_slice") for u in order]  # a rank's cuts, if any
                 sizes = [w.shape[0] for w in weights]
                 parts = add_call(graph, aten.split_with_sizes.default, (y, sizes, -1), like=first)
                 for i, u in enumerate(order):

@@ -135,10 +135,15 @@ class PassSpec:
         return self.build(inputs) if self.build is not None else self.pass_cls()
 
 
+def _int4_groups(quant: tuple[QuantResult, QuantConfig] | None) -> dict[str, int] | None:
+    """A quantized model's INT4 group size per linear (HF name), which shard_tensor_parallel's row cuts must keep whole."""
+    return None if quant is None else {name: ql.group_size for name, ql in quant[0].linears.items()}
+
+
 PASS_TABLE: tuple[PassSpec, ...] = (
     PassSpec(AttentionToPaged, "lower"),
     PassSpec(ShardTensorParallel, "lower", When(lambda i: i.tensor_parallel is not None, "tensor_parallel > 1"),
-             build=lambda i: ShardTensorParallel(i.tensor_parallel)),
+             build=lambda i: ShardTensorParallel(i.tensor_parallel, _int4_groups(i.quant))),
     PassSpec(FuseRMSNorm, "fuse", Flags(lambda o: o.fuse_rms_norm)),
     PassSpec(FuseRotary, "fuse", Flags(lambda o: o.fuse_rotary)),
     PassSpec(FuseProjections, "fuse", Flags(lambda o: o.fuse_projections)),

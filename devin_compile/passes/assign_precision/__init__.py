@@ -46,6 +46,9 @@ by RTN/AWQ/GPTQ, from ``optimize(quantization=...)`` or a saved artifact) and th
    CPU; on CPUs without native bf16/fp16 GEMMs run by :func:`~devin_compile.ops.upcast_linear.upcast_linear`).
    Kept linears of an AWQ result get their folded full-precision weight; AWQ's scaled norm weights
    replace the originals.
+5. Under tensor parallelism, steps 1-3 see the whole linears (so every rank chooses the precision one
+   process chooses) and step 4 this rank's slices of them, cut as ``shard_tensor_parallel`` cut the
+   weights (:mod:`.shards`); the report's bytes are this rank's.
 
 The report's note gives the counts, bytes and kernel; ``details`` is the per-layer table
 (precision, bits, group size, sensitivity, bytes), also handed back in ``ctx.outputs.precision_table``
@@ -58,8 +61,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ...graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead_code, fake_like, is_call, linear_bias,
-                           node_delta, param_of)
+from ...graph_utils import (add_call, add_constant, counted_nodes, eliminate_dead_code, fake_like, hf_name, is_call,
+                           linear_bias, node_delta, param_of)
 from ...ops import dequant_tiles
 from ...ops import fp8_linear as fp8_op
 from ...ops import int4_linear as int4_op
@@ -68,7 +71,8 @@ from ...pipeline import Pass, PassContext, PassError, PassResult
 from ...quant.config import QuantConfig
 from ...quant.precision import Candidate, choose_tiers
 from ...quant.result import QuantResult, has_fp8, sensitivity
-from .quantized_head import embed_from_int4_head, hf_name, int8_head_to_op
+from .quantized_head import embed_from_int4_head, int8_head_to_op
+from .shards import local_candidate, shard_qlinear, slices_of
 
 aten = torch.ops.aten
 SENSITIVITY_KINDS = {"loss": "estimated loss increase (output-gradient weighted)",
@@ -108,12 +112,13 @@ class AssignPrecision(Pass):
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         before = counted_nodes(gm)
         dtype, device = ctx.info.dtype, ctx.info.device
-        cands = self._candidates(gm, dtype)
-        choice, sens_kind = self._choose_tiers(cands)
+        cands, local = self._candidates(gm, dtype)
+        choice, sens_kind = self._choose_tiers(cands)  # on the whole linears: every rank chooses as one process
+        cands = [local_candidate(c, parts, dtype) for c, parts in zip(cands, local)]
+        cut = sum(any(slices_of(c.node)) for c in cands)
         kernels = self._kernels(device, dtype)
         rows, dense_bytes, self.tied_rows = [], 0, 0
-        for i, (c, tier) in enumerate(zip(cands, choice)):
-            parts = [self.result.linears[n] for n in c.names]
+        for i, (c, tier, parts) in enumerate(zip(cands, choice, local)):
             name = c.node.name
             if tier == "int4":
                 dense_bytes += self._to_int4(gm, i, c, parts, kernels, dtype, device)
@@ -127,6 +132,8 @@ class AssignPrecision(Pass):
         self._apply_overrides(gm)
         eliminate_dead_code(gm)
         note = f"{self._note(cands, choice, rows, kernels, sens_kind, dense_bytes)}; {node_delta(gm, before)}"
+        if cut:
+            note += f"; tensor parallel: {cut} of {len(cands)} linears hold this rank's slice"
         if head_row is not None:
             rows.append(head_row)
             note += (f"; lm_head int8 ({head_row['bytes'] / 2**20:.1f} MiB vs {head_row['fp_bytes'] / 2**20:.1f} "
@@ -137,11 +144,13 @@ class AssignPrecision(Pass):
         return PassResult(matches=choice.count("int4") + choice.count("fp8") + (head_row is not None), note=note,
                           details=precision_table_markdown(rows))
 
-    def _candidates(self, gm: torch.fx.GraphModule, dtype: torch.dtype) -> list[Candidate]:
-        """One candidate per graph linear that computes quantized-model linears (sensitivities unset)."""
+    def _candidates(self, gm: torch.fx.GraphModule, dtype: torch.dtype) -> tuple[list[Candidate], list[list]]:
+        """One candidate per graph linear that computes quantized-model linears (sensitivities unset; shapes
+        and bytes of the whole linears), and its parts as this rank holds them (:mod:`.shards`)."""
         res = self.result
         elem = torch.empty((), dtype=dtype).element_size()
         cands: list[Candidate] = []
+        local: list[list] = []
         for node in gm.graph.nodes:
             w = param_of(gm, node.args[1]) if is_call(node, aten.linear.default) else None
             if w is None:
@@ -155,11 +164,14 @@ class AssignPrecision(Pass):
                                 f"model covers only {[n for n, k in zip(names, known) if k]}")
             parts = [res.linears[n] for n in names]
             n_out, k, g = sum(p.shape[0] for p in parts), parts[0].shape[1], parts[0].group_size
-            if tuple(w.shape) != (n_out, k) or any(p.shape[1] != k or p.group_size != g for p in parts):
+            mine = [shard_qlinear(p, cut, n) for p, cut, n in zip(parts, slices_of(node), names)]
+            shape = (sum(p.shape[0] for p in mine), mine[0].shape[1])
+            if tuple(w.shape) != shape or any(p.shape[1] != shape[1] or p.group_size != g for p in mine):
                 raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the "
-                                f"quantized parts {names} have shapes {[p.shape for p in parts]}")
+                                f"quantized parts {names} have shapes {[p.shape for p in mine]}")
             fp_bytes, int4_bytes = n_out * k * elem, int4_op.int4_bytes(n_out, k, g, elem)
             cands.append(Candidate(node, names, n_out, k, g, 0.0, fp_bytes, int4_bytes))
+            local.append(mine)
         if not cands:
             raise PassError("assign_precision: no graph linear matches the quantized model's linears "
                             f"(e.g. {next(iter(res.linears), None)}); was it made for this model?")
@@ -167,7 +179,7 @@ class AssignPrecision(Pass):
         if uncovered:
             raise PassError(f"assign_precision: {len(uncovered)} quantized linears have no linear in the graph, "
                             f"e.g. {uncovered[:3]}")
-        return cands
+        return cands, local
 
     def _choose_tiers(self, cands: list[Candidate]) -> tuple[list[str], str]:
         """Each candidate's sensitivities, then the target's tier per candidate; (tiers, sensitivity kind)."""

@@ -9,29 +9,24 @@ Pattern → replacement::
 
 Invariants: the head and its tied embedding read one set of quantized operands (the dense table is no
 longer read, so it is released); a lookup returns the head's dequantized rows (AWQ's input scale undone
-for INT4), which is what ``quant.simulate`` computes.
+for INT4), which is what ``quant.simulate`` computes. Under tensor parallelism the head is a vocabulary
+shard (its rows, zero rows past V: :mod:`.shards`) and a tied lookup reads that shard with local ids.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx
 
-from ...graph_utils import add_call, add_constant, fake_like, is_call, linear_bias, param_of
+from ...graph_utils import add_call, add_constant, fake_like, hf_name, is_call, linear_bias, param_of
 from ...ops import int4_embedding  # noqa: F401  (registers devin::int4_embedding)
 from ...ops import int8_embedding  # noqa: F401  (registers devin::int8_embedding)
 from ...ops import int8_linear as int8_op
 from ...pipeline import PassError
 from ...quant.precision import Candidate
 from ...quant.result import Int8Head
+from .shards import shard_int8_head
 
 aten = torch.ops.aten
-
-
-def hf_name(target: str) -> str:
-    """Graph attribute of a captured weight → HF module name (``m.model.layers.0.mlp.up_proj.weight``
-    → ``model.layers.0.mlp.up_proj``)."""
-    name = target[2:] if target.startswith("m.") else target
-    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 def int8_head_to_op(gm: torch.fx.GraphModule, head: Int8Head | None, device: torch.device,
@@ -48,6 +43,7 @@ def int8_head_to_op(gm: torch.fx.GraphModule, head: Int8Head | None, device: tor
                         "linears, expected one; was the quantized model made for this model?")
     node, w_node = nodes[0], nodes[0].args[1]
     w = param_of(gm, w_node)
+    head = shard_int8_head(head, w_node.meta.get("tp_slice"))  # a vocab-parallel head: this rank's rows
     if tuple(w.shape) != tuple(head.dims):
         raise PassError(f"assign_precision: graph linear {node.name} has weight {tuple(w.shape)}, the INT8 head "
                         f"{head.name!r} has {head.dims}")

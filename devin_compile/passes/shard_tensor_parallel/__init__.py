@@ -34,7 +34,10 @@ the unsplit ones, so every rank's logits match one process. A linear that is non
 fused q/k/v projection, a vocabulary table read by anything but logits linears and embedding lookups,
 or a view that hard-codes a head count is a :class:`PassError` naming the module; nothing is
 replicated silently. The report gives the bytes of every split weight (vocabulary tables included,
-a tied one once) on this rank and unsplit.
+a tied one once) on this rank and unsplit. Every cut is recorded on its ``get_attr``
+(``meta["tp_slice"]``, a :class:`~devin_compile.config.weight_slice.WeightSlice`) for ``assign_precision``,
+which cuts a quantized model's tensors alike; with one, row-parallel cuts must keep whole INT4 groups
+(``quant_groups.py``: a :class:`PassError` naming the layer and the group size, while planning).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from ...config.tensor_parallel import HeadShard, TensorParallelSpec
 from ...graph_utils import counted_nodes, eliminate_dead_code, linear_bias, node_delta
 from ...pipeline import Pass, PassContext, PassError, PassResult
 from .plan import AttentionShard, ExpertsShard, ShardPlan, module_of, plan_shards
+from .quant_groups import check_group_boundaries
 from .rewrite import column_parallel, keep, refresh_shapes, row_parallel, sum_over_ranks, tensor_of
 from .vocab import VocabShard, plan_vocab, split_vocab, vocab_params
 
@@ -54,8 +58,9 @@ class ShardTensorParallel(Pass):
     name = "shard_tensor_parallel"
     requires = ("attention_to_paged",)
 
-    def __init__(self, spec: TensorParallelSpec) -> None:
+    def __init__(self, spec: TensorParallelSpec, groups: dict[str, int] | None = None) -> None:
         super().__init__(spec)
+        self.groups = groups  # a quantized model's INT4 group size per linear (HF name): row cuts must keep whole groups
 
     def run_graph(self, gm: torch.fx.GraphModule, phase: str, ctx: PassContext) -> PassResult:
         spec: TensorParallelSpec = self.config
@@ -70,8 +75,10 @@ class ShardTensorParallel(Pass):
         eliminate_dead_code(gm)  # export's shape asserts would check the unsplit sizes
         plan = plan_shards(gm)
         vocab, whole_lookups = plan_vocab(gm, plan.heads)  # planned (and refused) before any weight is split
+        cuts = _layer_cuts(gm, plan, spec, heads, info)
+        check_group_boundaries(cuts[1], self.groups, spec)
         full = _weight_bytes(gm, plan, vocab)
-        changed = _split_layers(gm, plan, spec, heads, info)
+        changed = _split_layers(gm, plan, spec, heads, cuts)
         for block in plan.experts:
             changed.update(_split_experts(gm, block, spec))
         for table in vocab:
@@ -89,21 +96,19 @@ class ShardTensorParallel(Pass):
                   f"bytes on this rank; {node_delta(gm, before)}"))
 
 
-def _split_layers(gm: torch.fx.GraphModule, plan: ShardPlan, spec: TensorParallelSpec, heads: HeadShard,
-                  info: ModelInfo) -> set[torch.fx.Node]:
-    """Attention layers by heads and MLPs by intermediate features (column then row parallel); the
-    ``get_attr`` nodes whose tensors changed."""
-    changed: set[torch.fx.Node] = set()
+def _layer_cuts(gm: torch.fx.GraphModule, plan: ShardPlan, spec: TensorParallelSpec, heads: HeadShard,
+                info: ModelInfo) -> tuple[list[tuple[torch.fx.Node, range]], list[tuple[torch.fx.Node, range, int]]]:
+    """Attention layers by heads and MLPs by intermediate features, checked but not yet applied:
+    (column-parallel linear, its output rows) and (row-parallel linear, its input columns, K)."""
+    columns: list[tuple[torch.fx.Node, range]] = []
+    rows: list[tuple[torch.fx.Node, range, int]] = []
     D = info.head_dim
     for layer in plan.attention:
         _check_widths(gm, layer, info.num_heads * D, info.num_kv_heads * D)
         q_cols = range(heads.q.start * D, heads.q.stop * D)
-        column_parallel(gm, layer.q, q_cols)
-        for lin in (layer.k, layer.v):
-            column_parallel(gm, lin, range(heads.kv.start * D, heads.kv.stop * D))
-        changed.update(_head_constants(gm, layer.attention, heads.q))
-        changed.update(_params(layer.q, layer.k, layer.v, layer.o))
-        row_parallel(gm, layer.o, q_cols, spec.group_name)
+        kv_rows = range(heads.kv.start * D, heads.kv.stop * D)
+        columns += [(layer.q, q_cols), (layer.k, kv_rows), (layer.v, kv_rows)]
+        rows.append((layer.o, q_cols, info.num_heads * D))
     for mlp in plan.mlps:
         width = tensor_of(gm, mlp.row.args[1]).shape[1]
         if width % spec.world_size:
@@ -113,9 +118,23 @@ def _split_layers(gm: torch.fx.GraphModule, plan: ShardPlan, spec: TensorParalle
             if tensor_of(gm, lin.args[1]).shape[0] != width:
                 raise PassError(f"{module_of(lin)}: {tensor_of(gm, lin.args[1]).shape[0]} output features, but "
                                 f"{module_of(mlp.row)} reads {width}; cannot split them alike")
-            column_parallel(gm, lin, spec.rows(width))
-        changed.update(_params(*mlp.columns, mlp.row))
-        row_parallel(gm, mlp.row, spec.rows(width), spec.group_name)
+            columns.append((lin, spec.rows(width)))
+        rows.append((mlp.row, spec.rows(width), width))
+    return columns, rows
+
+
+def _split_layers(gm: torch.fx.GraphModule, plan: ShardPlan, spec: TensorParallelSpec, heads: HeadShard,
+                  cuts: tuple[list, list]) -> set[torch.fx.Node]:
+    """Apply :func:`_layer_cuts` (and keep each attention op's per-head constants of the rank's query
+    heads); the ``get_attr`` nodes whose tensors changed."""
+    columns, rows = cuts
+    for lin, keep_rows in columns:
+        column_parallel(gm, lin, keep_rows)
+    changed: set[torch.fx.Node] = set(_params(*(lin for lin, _ in columns), *(lin for lin, _, _ in rows)))
+    for layer in plan.attention:
+        changed.update(_head_constants(gm, layer.attention, heads.q))
+    for lin, cols, _ in rows:
+        row_parallel(gm, lin, cols, spec.group_name)
     return changed
 
 

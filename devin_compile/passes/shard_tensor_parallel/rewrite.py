@@ -7,6 +7,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 
+from ...config.weight_slice import WeightSlice
 from ...graph_utils import add_call, fake_like, fake_value, linear_bias
 from ...pipeline import PassError
 from .plan import module_of
@@ -42,7 +43,8 @@ def tensor_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor:
 
 def keep(gm: torch.fx.GraphModule, node: object, index: range | list[range], dim: int) -> torch.fx.Node | None:
     """``node`` (a ``get_attr``; None passes through) now reads only ``index`` along ``dim`` (a range, or
-    ranges put one after another): a copy, so the full tensor is not held by the graph."""
+    ranges put one after another): a copy, so the full tensor is not held by the graph. The cut is
+    recorded in ``node.meta["tp_slice"]`` (a :class:`WeightSlice`, for ``assign_precision``)."""
     if node is None:
         return None
     if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
@@ -51,8 +53,9 @@ def keep(gm: torch.fx.GraphModule, node: object, index: range | list[range], dim
     parts = index if isinstance(index, list) else [index]
     if any(full.shape[dim] < r.stop for r in parts):
         raise PassError(f"{node.target}: {full.shape[dim]} entries along dim {dim}, cannot keep {index}")
-    kept = torch.cat([full.narrow(dim, r.start, len(r)) for r in parts], dim).contiguous().clone()
-    set_tensor(gm, node, kept)
+    cut = WeightSlice(dim, tuple(parts), full.shape[dim])
+    set_tensor(gm, node, cut.take(full))
+    node.meta["tp_slice"] = cut
     return node
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from ...config.tensor_parallel import TensorParallelSpec
+from ...config.weight_slice import WeightSlice
 from ...graph_utils import add_call, is_call, is_logits_linear, linear_bias, param_of
 from ...pipeline import PassError
 from .plan import module_of
@@ -104,26 +105,22 @@ def split_vocab(gm: torch.fx.GraphModule, shard: VocabShard, spec: TensorParalle
     full = param_of(gm, shard.weights[0])
     size = shard.size
     rows, per = spec.vocab_rows(size)
-    stored = _padded(full, rows, per)
+    cut = WeightSlice(0, (rows,), size, per)  # recorded for assign_precision (a quantized head)
+    stored = cut.take(full)
     for w in shard.weights:  # a tied table under two names: both read one shard
         stored = set_tensor(gm, w, stored, tied=True)
+        w.meta["tp_slice"] = cut
     changed = list(shard.weights)
     for head in shard.heads:
         bias = linear_bias(head)
         if bias is not None:
-            set_tensor(gm, bias, _padded(tensor_of(gm, bias), rows, per))
+            set_tensor(gm, bias, cut.take(tensor_of(gm, bias)))
+            bias.meta["tp_slice"] = cut
             changed.append(bias)
         gather_logits(gm, head, spec, size, per)
     for lookup in shard.lookups:
         lookup_rows(gm, lookup, rows, spec.group_name)
     return changed
-
-
-def _padded(full: torch.Tensor, rows: range, per: int) -> torch.Tensor:
-    """Rows ``rows`` of ``full`` followed by zero rows up to ``per`` rows (a copy)."""
-    out = full.new_zeros((per, *full.shape[1:]))
-    out[:len(rows)] = full[rows.start:rows.stop]
-    return out
 
 
 def gather_logits(gm: torch.fx.GraphModule, head: torch.fx.Node, spec: TensorParallelSpec, size: int,
