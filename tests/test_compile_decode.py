@@ -18,7 +18,7 @@ def test_callables_per_bucket_and_report(compiled):
     assert sorted(prog.decode_callables) == [1, 2, 4]
     assert compiled.engine.runner.decode_graphs.mode == "callables"
     row = next(line for line in compiled.report().splitlines() if "| compile_decode |" in line)
-    assert "| ran |" in row and "buckets [1, 2, 4]" in row
+    assert "| ran |" in row and "buckets [1, 2, 4]" in row and "cpp_wrapper=True" in row  # the default wrapper
     assert "decode graph left dense" in compiled.report()
 
 
@@ -56,15 +56,15 @@ def test_compile_decode_needs_split_phases(model):  # noqa: F811
 
 
 def test_compile_decode_options_reach_inductor_and_keep_greedy_tokens(model, hf):  # noqa: F811
-    """compile_decode_options={"cpp_wrapper": True}: Inductor's C++ wrapper calls the kernels
-    (the report says so), with the same greedy tokens as HF; bad options fail before any work."""
+    """compile_decode_options={"cpp_wrapper": False} overrides the default C++ wrapper: Python calls the
+    kernels (the report says so), with the same greedy tokens as HF; bad options fail before any work."""
     opt = dc.optimize(model, num_kv_blocks=64, block_size=4, decode_buckets=(1,), compile_decode=True,
-                      compile_decode_options={"cpp_wrapper": True}, max_num_seqs=1)
+                      compile_decode_options={"cpp_wrapper": False}, max_num_seqs=1)
     row = next(line for line in opt.report().splitlines() if "| compile_decode |" in line)
-    assert "cpp_wrapper=True" in row
+    assert "cpp_wrapper=False" in row and "freezing=True" in row
     p = prompt_of(7, 700)
     assert opt.generate([p], max_new_tokens=5) == [hf(p, 5)]
     with pytest.raises(ValueError, match="needs compile_decode=True"):
-        dc.optimize(model, compile_decode_options={"cpp_wrapper": True})
+        dc.optimize(model, compile_decode_options={"cpp_wrapper": False})
     with pytest.raises(ValueError, match="does not know: \\['not_an_option'\\]"):
         dc.optimize(model, compile_decode=True, compile_decode_options={"not_an_option": 1})
