@@ -34,13 +34,6 @@ static int scan_tail(const void *row, int dt, int64_t from, int64_t V, float *be
 }
 
 #ifdef HAVE_AVX512
-static inline __m512 load16(const void *row, int dt, int64_t i) {
-    if (dt == DT_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
-    return _mm512_loadu_ps((const float *)row + i);
-}
-
 static inline __mmask16 not_finite(__m512 x) { /* exponent all ones: NaN or ±inf */
     const __m512i e = _mm512_set1_epi32(0x7f800000);
     return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), e), e);
@@ -48,13 +41,13 @@ static inline __mmask16 not_finite(__m512 x) { /* exponent all ones: NaN or ±in
 
 /* the row's first maximum and finiteness, sixteen lanes at a time (V >= 16) */
 static int scan16(const void *row, int dt, int64_t V, int64_t *at) {
-    __m512 best = load16(row, dt, 0);
+    __m512 best = load16(row, 0, dt);
     __mmask16 bad = not_finite(best);
     __m512i idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), cur = idx;
     const __m512i step = _mm512_set1_epi32(16);
     int64_t i = 16;
     for (; i + 16 <= V; i += 16) {
-        const __m512 x = load16(row, dt, i);
+        const __m512 x = load16(row, i, dt);
         cur = _mm512_add_epi32(cur, step);
         const __mmask16 gt = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);
         best = _mm512_mask_mov_ps(best, gt, x);

@@ -1,5 +1,5 @@
-/* Shared by the CPU C kernels (cpu_paged_decode.c, cpu_int4_linear.c): dtype codes,
- * bf16/fp16 <-> float32 row conversion, AVX2 helpers and the AVX-512 feature macros. */
+/* Shared by the CPU C kernels (cpu_paged_decode.c, cpu_int4_linear.c, cpu_greedy.c, ...): dtype codes,
+ * bf16/fp16 <-> float32 row conversion, AVX2 helpers, the AVX-512 feature macros and 16-lane loads. */
 #ifndef DEVIN_CPU_KERNELS_H
 #define DEVIN_CPU_KERNELS_H
 #include <stdint.h>
@@ -61,6 +61,15 @@ static inline float hsum8(__m256 v) {
 }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define HAVE_AVX512 1
+/* sixteen elements at base + off (dtype dt) as float32 */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off, int dt) {
+    if (dt == DT_BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dt == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
+    return _mm512_loadu_ps((const float *)base + off);
+}
 #ifdef __AVX512VNNI__
 #define HAVE_AVX512_VNNI 1
 #endif

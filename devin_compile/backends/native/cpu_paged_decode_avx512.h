@@ -57,16 +57,6 @@ ALWAYS_INLINE void prefetch_more(Prefetch *pf) {
     pf->done += pf->step;
 }
 
-/* sixteen elements at base + off (dtype dt) as float32 */
-ALWAYS_INLINE __m512 load16(const void *base, int64_t off, int dt) {
-    if (dt == DT_BF16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    if (dt == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
-    return _mm512_loadu_ps((const float *)base + off);
-}
-
 /* lane i of the result: the sum of t[i]'s sixteen lanes */
 ALWAYS_INLINE __m512 sum_each16(const __m512 *t) {
     __m512 x[8], y[4];
