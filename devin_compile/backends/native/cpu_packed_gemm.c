@@ -23,6 +23,7 @@
 //                      rows go through AMX's tdpbf16ps (the pair layout is its B tile), the rest as above.
 // Each returns 0, 1 for shapes the packing does not cover (a dimension not a multiple of 16), or 2
 // where the build has no AVX512-BF16 (devin_packed_gemm_bf16_built() says which).
+#define _GNU_SOURCE /* syscall() from <unistd.h> under -std=c11 (AMX's permission request) */
 #include <stdint.h>
 #include <string.h>
 
